@@ -1,0 +1,185 @@
+"""Paged KV-cache block allocator with prefix (block) reuse.
+
+The cache is `num_blocks` blocks of `block_size` token slots. A sequence's `block_table` lists
+the blocks that hold its positions in order: position p lives in
+`block_table[p // block_size]` at offset `p % block_size`.
+
+Prefix reuse: once a block is full and all of its tokens are computed, `commit` registers it
+under a chained hash of (parent block's hash, the block's tokens). A later sequence whose leading
+full blocks carry the same tokens attaches those blocks instead of recomputing them. Blocks are
+ref-counted, so one physical block can sit in several block tables.
+
+Free blocks (ref count 0) are kept in LRU order. A freed block keeps its registered hash and so
+stays reusable until it is handed out as a fresh block; only then is its hash dropped. Blocks
+without a hash hold nothing worth keeping and are handed out first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from inflight.core.sequence import Sequence
+
+# The identity of a cached block's content: (parent block hash or None for the first block,
+# the block's token ids). Compared in full on every hit, so a hash collision never attaches a
+# block with different tokens.
+_BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block; a module function so tests can force collisions."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and tracks which ones can be reused.
+
+    Accounting contract: `num_free_blocks` counts blocks that no sequence references, cached or
+    not, so after every sequence is freed `num_free_blocks == num_total_blocks`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.num_total_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_reused_blocks = 0
+        self.num_allocated_blocks = 0
+        self._ref_counts = [0] * num_blocks
+        # Insertion order is eviction order: the first key is handed out next.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._block_hash: dict[int, int] = {}
+        self._block_key: dict[int, _BlockKey] = {}
+        # Chained hashes of each sequence's leading registered (or attached) full blocks, so
+        # `commit` only hashes the blocks that became full since the last step.
+        self._seq_hashes: dict[Sequence, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (referenced or not)."""
+        return len(self._hash_to_block)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the leading full blocks of `seq.token_ids`.
+
+        Called once when a sequence with an empty block table is admitted (also after
+        preemption). At most `num_tokens - 1` tokens are covered so the model still computes at
+        least one token and produces logits. Sets `seq.num_computed_tokens` and
+        `seq.num_cached_tokens` to the cached token count and returns it (0 without prefix
+        caching).
+        """
+        if seq.block_table:
+            raise RuntimeError(f"request {seq.request_id}: allocate_prefix needs an empty block table")
+        num_cached_tokens = 0
+        if self.enable_prefix_caching:
+            hashes: list[int] = []
+            parent: int | None = None
+            max_num_blocks = (seq.num_tokens - 1) // self.block_size
+            for index in range(max(max_num_blocks, 0)):
+                tokens = self._block_tokens(seq, index)
+                block_hash = hash_block_tokens(parent, tokens)
+                block = self._hash_to_block.get(block_hash)
+                if block is None or self._block_key[block] != (parent, tokens):
+                    break
+                if self._ref_counts[block] == 0:
+                    del self._free[block]
+                self._ref_counts[block] += 1
+                seq.block_table.append(block)
+                hashes.append(block_hash)
+                parent = block_hash
+            self.num_reused_blocks += len(hashes)
+            self._seq_hashes[seq] = hashes
+            num_cached_tokens = len(hashes) * self.block_size
+        seq.num_computed_tokens = num_cached_tokens
+        seq.num_cached_tokens = num_cached_tokens
+        return num_cached_tokens
+
+    def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Fresh blocks `seq` still needs so its block table covers positions [0, num_tokens)."""
+        return max(self.num_blocks_for(num_tokens) - len(seq.block_table), 0)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_missing_blocks(seq, num_tokens) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow `seq.block_table` to cover positions [0, num_tokens); raise if blocks are short."""
+        num_missing = self.num_missing_blocks(seq, num_tokens)
+        if num_missing > len(self._free):
+            raise RuntimeError(
+                f"request {seq.request_id}: needs {num_missing} more KV blocks for {num_tokens} tokens "
+                f"but only {len(self._free)} are free")
+        for _ in range(num_missing):
+            block, _ = self._free.popitem(last=False)
+            self._forget_hash(block)
+            self._ref_counts[block] = 1
+            seq.block_table.append(block)
+        self.num_allocated_blocks += num_missing
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are now full and fully computed for later reuse.
+
+        A block whose content is already registered under another block id stays unregistered
+        (it is a duplicate computed in the same step); it is freed like any other block.
+        """
+        if not self.enable_prefix_caching or not seq.block_table:
+            return
+        hashes = self._seq_hashes.setdefault(seq, [])
+        num_full_blocks = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for index in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else None
+            tokens = self._block_tokens(seq, index)
+            block_hash = hash_block_tokens(parent, tokens)
+            hashes.append(block_hash)
+            block = seq.block_table[index]
+            if block_hash in self._hash_to_block or block in self._block_hash:
+                continue
+            self._hash_to_block[block_hash] = block
+            self._block_hash[block] = block_hash
+            self._block_key[block] = (parent, tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's block references and clear its block table; idempotent."""
+        # Reverse order: the tail of a prefix is the least likely to be shared, so among the
+        # cached blocks it is evicted first.
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than it was referenced")
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if block not in self._block_hash:
+                    self._free.move_to_end(block, last=False)
+        seq.block_table.clear()
+        self._seq_hashes.pop(seq, None)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in the order they would be handed out (for tests and debugging)."""
+        return list(self._free)
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(seq.token_ids[start:start + self.block_size])
+
+    def _forget_hash(self, block: int) -> None:
+        block_hash = self._block_hash.pop(block, None)
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+            del self._block_key[block]

@@ -1,0 +1,215 @@
+"""In-flight batching scheduler.
+
+There are no separate prefill and decode phases: every sequence has `num_computed_tokens`
+catching up with `num_tokens`, and each step the scheduler hands out a token budget
+(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first in
+admission order, so decodes are never starved by new prompts; then waiting sequences are admitted
+in FIFO order.
+
+Capacity policies (TensorRT-LLM's names):
+- GUARANTEED_NO_EVICT admits a request only when the KV blocks for its whole life
+  (prompt + max_new_tokens) fit next to the budgets of the running ones, so nothing is ever
+  preempted.
+- MAX_UTILIZATION admits a request as soon as this step's blocks are free; when a running
+  sequence later cannot grow, the newest running sequence is preempted (its blocks freed) and
+  recomputed from its kept token ids once it is admitted again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from inflight.core.block_manager import BlockManager
+from inflight.core.outputs import ScheduledSequence, SchedulerOutput
+from inflight.core.sequence import Sequence, SequenceStatus
+from inflight.executor.config import CapacitySchedulerPolicy
+
+
+class Scheduler:
+    """Decides, each step, which sequences compute how many tokens.
+
+    Engine flow per step: `out = schedule()`; the model runs `out`; `update(out)`; the engine
+    appends the sampled token of every row with `is_sampled`; `finish(seq)` for finished (or
+    cancelled) sequences.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 policy: CapacitySchedulerPolicy, enable_chunked_context: bool):
+        if max_batch_size <= 0:
+            raise ValueError(f"max_batch_size must be > 0, got {max_batch_size}")
+        if max_num_tokens <= 0:
+            raise ValueError(f"max_num_tokens must be > 0, got {max_num_tokens}")
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.policy = policy
+        self.enable_chunked_context = enable_chunked_context
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Cumulative over the scheduler's life, for stats.
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> str | None:
+        """None if `seq` can ever be scheduled on an otherwise idle engine, else why not.
+
+        GUARANTEED_NO_EVICT budgets prompt + max_new_tokens. MAX_UTILIZATION needs the KV the
+        sequence ever holds when it runs alone: prompt + max_new_tokens - 1 (the last sampled
+        token is never fed back); less would make a lone sequence preempt itself forever.
+        """
+        num_prompt_tokens = seq.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            return "prompt is empty; at least one token is needed"
+        if not self.enable_chunked_context and num_prompt_tokens > self.max_num_tokens:
+            return (f"prompt of {num_prompt_tokens} tokens exceeds max_num_tokens {self.max_num_tokens}; "
+                    f"enable chunked context")
+        num_total_blocks = self.block_manager.num_total_blocks
+        if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+            num_tokens = seq.max_total_tokens
+            detail = f"prompt {num_prompt_tokens} + max_tokens {seq.max_new_tokens} tokens"
+        else:
+            num_tokens = max(seq.max_total_tokens - 1, num_prompt_tokens)
+            detail = (f"prompt {num_prompt_tokens} + max_tokens {seq.max_new_tokens} tokens, "
+                      f"less the last sampled token")
+        num_blocks = self.block_manager.num_blocks_for(num_tokens)
+        if num_blocks > num_total_blocks:
+            return (f"request needs {num_blocks} KV blocks ({detail}) "
+                    f"but the cache has {num_total_blocks} blocks")
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's rows: running sequences first, then admitted waiting ones.
+
+        Never schedules a row with zero new tokens. After a preemption no waiting sequence is
+        admitted in the same step: the cache is known to be short, and admitting would only
+        preempt again.
+        """
+        out = SchedulerOutput()
+        num_budget_tokens = self._schedule_running(out, self.max_num_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, num_budget_tokens)
+        return out
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Advance each scheduled sequence by the tokens the model just computed.
+
+        Sequences finished (cancelled) between `schedule` and `update` are skipped: their blocks
+        are already gone.
+        """
+        for scheduled in output.scheduled:
+            if scheduled.seq.is_finished:
+                continue
+            scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.commit(scheduled.seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or cancelled sequence and free its blocks; idempotent."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _num_new_tokens(self, seq: Sequence, num_budget_tokens: int) -> int:
+        """Tokens `seq` computes this step within the budget; 0 means it waits."""
+        num_uncomputed = seq.num_uncomputed_tokens
+        if self.enable_chunked_context or num_uncomputed > self.max_num_tokens:
+            # The second case is a recompute after preemption that outgrew max_num_tokens: it
+            # could never run whole, so it is chunked even without chunked context.
+            return min(num_uncomputed, num_budget_tokens)
+        return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
+
+    def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
+        """Schedule running sequences in admission order; return the budget left."""
+        # Tokens per sequence scheduled so far this step, to undo a row whose sequence is
+        # preempted later in the same step.
+        num_scheduled_tokens: dict[Sequence, int] = {}
+        index = 0
+        while index < len(self.running) and num_budget_tokens > 0:
+            seq = self.running[index]
+            num_new = self._num_new_tokens(seq, num_budget_tokens)
+            if num_new == 0:
+                index += 1
+                continue
+            num_needed_tokens = seq.num_computed_tokens + num_new
+            preempted_self = False
+            while not self.block_manager.can_allocate(seq, num_needed_tokens):
+                if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+                    raise RuntimeError(
+                        f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
+                        f"admission should have reserved them")
+                victim = max(self.running, key=lambda s: s.arrival_index)
+                victim_index = self.running.index(victim)
+                self._preempt(victim, out)
+                if victim in num_scheduled_tokens:
+                    num_budget_tokens += num_scheduled_tokens.pop(victim)
+                    out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+                if victim is seq:
+                    preempted_self = True
+                    break
+                if victim_index < index:
+                    index -= 1
+            if preempted_self:
+                continue  # the next sequence moved into `index`
+            self.block_manager.allocate(seq, num_needed_tokens)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            num_scheduled_tokens[seq] = num_new
+            num_budget_tokens -= num_new
+            index += 1
+        return num_budget_tokens
+
+    def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
+        """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""
+        num_reserved_blocks = 0
+        if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+            num_reserved_blocks = sum(self.block_manager.num_blocks_for(s.max_total_tokens)
+                                      for s in self.running)
+        while self.waiting and len(self.running) < self.max_batch_size and num_budget_tokens > 0:
+            seq = self.waiting[0]
+            if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+                num_seq_blocks = self.block_manager.num_blocks_for(seq.max_total_tokens)
+                if num_reserved_blocks + num_seq_blocks > self.block_manager.num_total_blocks:
+                    break
+                num_reserved_blocks += num_seq_blocks
+            self.block_manager.allocate_prefix(seq)
+            num_new = self._num_new_tokens(seq, num_budget_tokens)
+            num_needed_tokens = seq.num_computed_tokens + num_new
+            if num_new == 0 or not self.block_manager.can_allocate(seq, num_needed_tokens):
+                # Give back the prefix blocks; they stay cached for the next try.
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.num_cached_tokens = 0
+                break
+            self.block_manager.allocate(seq, num_needed_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            num_budget_tokens -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free `seq`'s blocks and put it at the front of the queue to be recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,83 @@
+"""Per-request state shared by the scheduler, the block manager and the engine.
+
+A `Sequence` holds token ids only: no tensors, no sampling state, nothing on a device. The
+central invariant is `num_computed_tokens <= num_tokens`: the first `num_computed_tokens`
+positions of `token_ids` have their keys and values in the paged KV cache (blocks listed in
+`block_table`); the rest still have to be run through the model. A prefill, a chunk of a
+prefill, a decode step and a recompute after preemption are all the same thing: computing some
+of the tokens that are not computed yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"  # left the scheduler; its blocks were returned
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the control plane sees it (beam width 1).
+
+    Filled by the engine at enqueue time; `num_computed_tokens`, `block_table`, `status` and
+    `num_cached_tokens` are owned by the scheduler and block manager; the engine appends each
+    sampled token with `append_token`.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Prompt tokens found in the prefix cache at the last admission (0 without reuse).
+    num_cached_tokens: int = 0
+    # Number of times this sequence was preempted and had to be recomputed.
+    num_preemptions: int = 0
+    # Monotonic admission order; preemption picks the largest (newest) first.
+    arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound on `num_tokens` over the request's life (prompt + max_new_tokens)."""
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,113 @@
+"""Executor configuration, mirroring `tensorrt_llm.bindings.executor` names.
+
+Every class is a frozen dataclass checked at construction, so a bad value fails where it is
+written, with a sentence that names the field and the rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a documented rule."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+class CapacitySchedulerPolicy(enum.Enum):
+    """How requests are admitted against the KV cache (TensorRT-LLM's names)."""
+
+    # Admit only when the request's whole budget (prompt + max_tokens) fits; never preempt.
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    # Admit greedily; when blocks run out, preempt the newest request and recompute it later.
+    MAX_UTILIZATION = "max_utilization"
+
+    @classmethod
+    def from_name(cls, name: str) -> "CapacitySchedulerPolicy":
+        for policy in cls:
+            if policy.value == name.strip().lower():
+                return policy
+        choices = ", ".join(p.value for p in cls)
+        raise ConfigError(f"unknown batch_scheduler_policy '{name}'; expected one of: {choices}")
+
+
+class BatchingType(enum.Enum):
+    INFLIGHT = "inflight"
+    STATIC = "static"  # accepted for compatibility; runs as in-flight batching
+
+
+class ModelType(enum.Enum):
+    DECODER_ONLY = "decoder_only"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.capacity_scheduler_policy, CapacitySchedulerPolicy),
+               "capacity_scheduler_policy must be a CapacitySchedulerPolicy")
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Size and behaviour of the paged KV cache.
+
+    Capacity is the smaller of `max_tokens` and what the memory budget allows: on CUDA the
+    budget is `free_gpu_memory_fraction` of the memory free after the weights are loaded; on
+    CPU it is `host_memory_bytes`.
+    """
+
+    enable_block_reuse: bool = False
+    max_tokens: int | None = None
+    free_gpu_memory_fraction: float = 0.9
+    host_memory_bytes: int = 1 << 30
+    tokens_per_block: int = 32
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens is None or self.max_tokens > 0,
+               f"max_tokens_in_paged_kv_cache must be > 0, got {self.max_tokens}")
+        _check(0.0 < self.free_gpu_memory_fraction <= 1.0,
+               f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        _check(self.host_memory_bytes > 0, f"host_memory_bytes must be > 0, got {self.host_memory_bytes}")
+        _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
+               f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Engine-wide settings (TensorRT-LLM's `ExecutorConfig`, plus `dtype` and `device`)."""
+
+    max_beam_width: int = 1
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    enable_chunked_context: bool = False
+    normalize_log_probs: bool = True
+    batching_type: BatchingType = BatchingType.INFLIGHT
+    # None: unbounded. Requests beyond it are rejected with a "queue full" error.
+    max_queue_size: int | None = None
+    iter_stats_max_iterations: int = 1000
+    # None: the model's max_position_embeddings.
+    max_seq_len: int | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+    def __post_init__(self) -> None:
+        _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")
+        _check(self.max_batch_size > 0, f"max_batch_size must be > 0, got {self.max_batch_size}")
+        _check(self.max_num_tokens > 0, f"max_num_tokens must be > 0, got {self.max_num_tokens}")
+        _check(self.max_queue_size is None or self.max_queue_size >= 0,
+               f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        _check(self.max_seq_len is None or self.max_seq_len > 0, f"max_seq_len must be > 0, got {self.max_seq_len}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto, float32, bfloat16 or float16, got '{self.dtype}'")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               f"device must be auto, cpu or cuda[:N], got '{self.device}'")
+        _check(self.iter_stats_max_iterations >= 0, "iter_stats_max_iterations must be >= 0")

@@ -1,0 +1,1 @@
+"""Model code: config, RoPE, paged attention, the Llama-family decoder and its loader."""

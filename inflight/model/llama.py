@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over flattened, paged batches.
+
+Parameter names are Hugging Face's exactly, so a checkpoint's state dict loads without any
+renaming. The math follows transformers' modeling_llama / modeling_qwen2 / modeling_mistral
+(RMSNorm in fp32, rotate_half RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inflight.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from inflight.model.config import ModelConfig
+from inflight.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        hidden = config.hidden_size
+        qkv_bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM computing a step's flattened tokens against the paged KV cache.
+
+    `forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]` writes each
+    layer's K/V for the T tokens into `kv_caches[layer]` and returns final-norm hidden states;
+    select the rows to sample (e.g. `meta.last_token_indices`) and call `compute_logits`.
+    Positions must be < `max_position_embeddings` (the RoPE table's length).
+    """
+
+    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch") -> None:
+        super().__init__()
+        self.config = config
+        backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
+                   else get_attention_backend(attention_backend))
+        self.attention_backend = backend
+        self.model = LlamaModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding matrix with the LM head (one Parameter, one copy in memory)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        # RoPE tables for this step's positions, shared by every layer.
+        cos, sin = self.model.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, D] each
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.model.norm(hidden)  # [T, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] in float32."""
+        return self.lm_head(hidden).float()

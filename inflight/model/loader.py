@@ -1,0 +1,116 @@
+"""Builds a model from a Hugging Face checkpoint directory and allocates its paged KV cache.
+
+The model is constructed on the `meta` device (no memory, no random init), then each tensor
+from the `*.safetensors` files is cast and moved straight to its final device, so peak host
+memory stays about one tensor above the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from inflight.model.config import ModelConfig
+from inflight.model.llama import LlamaForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint entries that are derived state, not weights (old Llama exports carry these).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(name: str, config: ModelConfig | None, device: torch.device | str) -> torch.dtype:
+    """Maps "auto|float32|bfloat16|float16" to a torch dtype.
+
+    "auto" is float32 on the CPU (bf16/fp16 matmuls are slow there) and bfloat16 on CUDA
+    (float16 when the GPU has no bf16 support); `config` is accepted for future per-model
+    choices and not consulted today.
+    """
+    key = name.strip().lower()
+    if key == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; expected one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype,
+               device: torch.device | str) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
+
+    Raises ValueError naming the tensors when the checkpoint lacks a model parameter, carries
+    one the model does not have, or has a shape that does not match the config.
+    """
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # tied: the head is the embedding matrix
+                if name not in expected:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.shape != expected[name]:
+                    raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {path.name}, "
+                                     f"expected {tuple(expected[name])} from config.json")
+                _set_tensor(model, name, tensor.to(device=device, dtype=dtype))
+                loaded.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "
+                         f"{', '.join(sorted(unexpected)[:10])}"
+                         + (" ..." if len(unexpected) > 10 else ""))
+    if "lm_head.weight" not in loaded:
+        # Tied by config, or a checkpoint that simply omits the head (it reuses embeddings).
+        model.tie_weights()
+        loaded.add("lm_head.weight")
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
+                         + (" ..." if len(missing) > 10 else ""))
+    model.model.rotary_emb.reset_cache(device)
+    model.eval()
+    return model, config
+
+
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+    Zeroed, not empty: attention backends read whole blocks and rely on unwritten slots being
+    finite (masked weights are exactly zero, but 0 * NaN is NaN).
+    """
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

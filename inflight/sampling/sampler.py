@@ -1,0 +1,203 @@
+"""Per-request sampling for a mixed batch, on the logits' device.
+
+Processing order for each row (all rows processed together as [S, vocab] tensors):
+  1. embedding bias (added to the raw logits),
+  2. repetition penalty (HF: over prompt + generated tokens), then frequency and presence
+     penalties (OpenAI: over generated tokens only),
+  3. bad words and min_tokens bans (logit = -inf),
+  4. log probs: log_softmax(processed / temperature) at the chosen token, temperature taken
+     as 1 for greedy rows, i.e. the distribution the row samples from *before* top-k/top-p
+     truncation,
+  5. greedy rows: argmax; random rows: / temperature, top-k, top-p, then one draw from the
+     row's own generator (exponential race), so a row's token never depends on its neighbours.
+
+The host builds index lists from the rows' token ids; the device work has no host syncs
+until the single `.tolist()` at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    """One sampled sequence's parameters and history, built by the engine each step."""
+
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    temperature: float = 0.0  # 0 => greedy (argmax)
+    top_k: int = 0  # 0 => off
+    top_p: float = 1.0  # 1.0 => off
+    repetition_penalty: float = 1.0  # HF: divide positive logits, multiply negative ones
+    presence_penalty: float = 0.0  # logit -= presence * (count > 0), generated tokens
+    frequency_penalty: float = 0.0  # logit -= frequency * count, generated tokens
+    min_tokens: int = 0  # while generated < min_tokens, end_id gets -inf
+    end_id: int | None = None
+    # A bad word's last token is banned when the sequence's tail equals its preceding tokens;
+    # a single-token bad word is always banned.
+    bad_words: list[list[int]] = field(default_factory=list)
+    embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits first
+    generator: torch.Generator | None = None  # per-request RNG on the logits' device
+    return_log_probs: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def has_processors(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.bad_words)
+                or self.embedding_bias is not None or self._min_tokens_active())
+
+    def _min_tokens_active(self) -> bool:
+        return self.end_id is not None and self.num_generated_tokens < self.min_tokens
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens this row may not sample at this step (bad words and min_tokens)."""
+        banned = []
+        for word in self.bad_words:
+            if not word:
+                continue
+            prefix = list(word[:-1])
+            if not prefix or (len(prefix) <= len(self.token_ids)
+                              and self.token_ids[len(self.token_ids) - len(prefix):] == prefix):
+                banned.append(int(word[-1]))
+        if self._min_tokens_active():
+            banned.append(int(self.end_id))
+        return banned
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    log_probs: list[float | None]  # None for rows that did not ask for log probs
+
+
+def _row_param(rows: list[SamplingRow], attr: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([float(getattr(r, attr)) for r in rows], dtype=torch.float32,
+                        device=device).unsqueeze(1)  # [S, 1]
+
+
+def _flat_indices(per_row: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Indices into logits.view(-1) for (row, token) pairs: row * vocab + token."""
+    flat = [r * vocab_size + t for r, tokens in enumerate(per_row) for t in tokens]
+    return torch.tensor(flat, dtype=torch.int64, device=device)
+
+
+class Sampler:
+    """Stateless; `sample` may be called with any mix of greedy and random rows."""
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [S, vocab] float32, one SamplingRow per logits row -> one token per row."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        want_log_probs = any(r.return_log_probs for r in rows)
+        if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        logits = self.process_logits(logits, rows)  # [S, vocab]
+        greedy = torch.tensor([r.is_greedy for r in rows], device=logits.device)  # [S]
+        if all(r.is_greedy for r in rows):
+            tokens = logits.argmax(dim=-1)  # [S]
+        else:
+            tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample_random(logits, rows))
+
+        if not want_log_probs:
+            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+        temperature = torch.tensor([1.0 if r.is_greedy else r.temperature for r in rows],
+                                   dtype=torch.float32, device=logits.device).unsqueeze(1)
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
+        chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
+        # One transfer for both: float64 holds every token id exactly.
+        token_list, log_prob_list = torch.stack([tokens.double(), chosen.double()]).tolist()
+        return SamplerOutput([int(t) for t in token_list],
+                             [lp if r.return_log_probs else None
+                              for lp, r in zip(log_prob_list, rows)])
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Applies bias, penalties and bans (steps 1-3); returns a new [S, vocab] tensor."""
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        logits = logits.clone()
+        if any(r.embedding_bias is not None for r in rows):
+            bias = torch.zeros_like(logits)
+            for i, r in enumerate(rows):
+                if r.embedding_bias is not None:
+                    bias[i] = r.embedding_bias.to(device=device, dtype=logits.dtype)
+            logits += bias
+
+        if any(r.repetition_penalty != 1.0 for r in rows):
+            seen = torch.zeros(num_rows * vocab_size, dtype=torch.bool, device=device)
+            per_row = [list(set(r.token_ids)) if r.repetition_penalty != 1.0 else [] for r in rows]
+            seen[_flat_indices(per_row, vocab_size, device)] = True
+            seen = seen.view(num_rows, vocab_size)
+            penalty = _row_param(rows, "repetition_penalty", device)  # [S, 1]
+            penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+            logits = torch.where(seen, penalised, logits)
+
+        if any(r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 for r in rows):
+            per_row = [r.token_ids[r.num_prompt_tokens:]
+                       if r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 else []
+                       for r in rows]
+            counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+            index = _flat_indices(per_row, vocab_size, device)
+            counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+            counts = counts.view(num_rows, vocab_size)
+            logits -= _row_param(rows, "frequency_penalty", device) * counts
+            logits -= _row_param(rows, "presence_penalty", device) * (counts > 0).float()
+
+        banned = [r.banned_token_ids() for r in rows]
+        if any(banned):
+            logits.view(-1).index_fill_(0, _flat_indices(banned, vocab_size, device), float("-inf"))
+        return logits
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p and a per-row draw; [S] token ids (greedy rows: junk)."""
+        device = logits.device
+        vocab_size = logits.shape[1]
+        temperature = torch.tensor([r.temperature if not r.is_greedy else 1.0 for r in rows],
+                                   dtype=torch.float32, device=device).unsqueeze(1)  # [S, 1]
+        logits = logits / temperature
+
+        use_top_k = any(0 < r.top_k < vocab_size for r in rows)
+        use_top_p = any(r.top_p < 1.0 for r in rows)
+        if use_top_k or use_top_p:
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [S, vocab]
+            if use_top_k:
+                top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab_size else vocab_size
+                                      for r in rows], dtype=torch.int64, device=device)
+                # Threshold at the k-th largest value: ties with it survive, as in HF.
+                kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # [S, 1]
+                sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+            if use_top_p:
+                top_p = _row_param(rows, "top_p", device)  # [S, 1]
+                sorted_probs = sorted_logits.softmax(dim=-1)
+                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [S, vocab]
+                # Smallest nucleus: drop a token once the better ones already reach top_p
+                # (the best token always has mass_before == 0 and stays).
+                drop = (mass_before >= top_p) & (top_p < 1.0)
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+        probs = logits.softmax(dim=-1)  # [S, vocab]
+        # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+        # Each row draws its noise from its own generator, so its token is independent of
+        # the other rows and reproducible from its seed.
+        noise = torch.ones_like(probs)
+        for i, r in enumerate(rows):
+            if r.is_greedy:
+                continue  # its token comes from argmax; leave its RNG untouched
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+            else:
+                noise[i].exponential_()
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,75 @@
+"""Choose the executor behind the `tensorrt_llm` model: ours (`builtin`) or TensorRT-LLM's.
+
+The `tensorrtllm` path is a thin adapter that translates our request dataclasses (which use
+TensorRT-LLM's field names) into `tensorrt_llm.bindings.executor` objects. TensorRT-LLM cannot
+be installed on the machines this project is built on, so that path has NOT been run here; it
+is kept small so that what is untested is easy to read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from inflight.executor.config import ExecutorConfig
+
+BACKENDS = ("builtin", "tensorrtllm")
+
+
+class BackendUnavailable(RuntimeError):
+    """The chosen executor backend cannot run on this machine."""
+
+
+def create_executor(backend: str, model_path: str, config: ExecutorConfig) -> Any:
+    if backend == "builtin":
+        from inflight.executor.executor import Executor
+
+        return Executor(model_path, executor_config=config)
+    if backend == "tensorrtllm":
+        return TensorRTLLMExecutor(model_path, config)
+    raise BackendUnavailable(f"unknown executor_backend '{backend}'; expected one of {', '.join(BACKENDS)}")
+
+
+class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is not installable here
+    """Our Executor interface on top of `tensorrt_llm.bindings.executor.Executor` (not run here)."""
+
+    def __init__(self, engine_dir: str, config: ExecutorConfig):
+        try:
+            import tensorrt_llm.bindings.executor as trtllm
+        except ImportError:
+            raise BackendUnavailable(
+                "executor_backend is 'tensorrtllm' but the tensorrt_llm package is not installed; "
+                "install TensorRT-LLM or set the executor_backend parameter to 'builtin'") from None
+        self._trtllm = trtllm
+        policy = {"max_utilization": trtllm.CapacitySchedulerPolicy.MAX_UTILIZATION,
+                  "guaranteed_no_evict": trtllm.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT}
+        kv = config.kv_cache_config
+        trt_config = trtllm.ExecutorConfig(
+            max_beam_width=config.max_beam_width,
+            scheduler_config=trtllm.SchedulerConfig(policy[config.scheduler_config.capacity_scheduler_policy.value]),
+            kv_cache_config=trtllm.KvCacheConfig(enable_block_reuse=kv.enable_block_reuse,
+                                                 max_tokens=kv.max_tokens,
+                                                 free_gpu_memory_fraction=kv.free_gpu_memory_fraction),
+            enable_chunked_context=config.enable_chunked_context,
+            normalize_log_probs=config.normalize_log_probs,
+            max_queue_size=config.max_queue_size,
+        )
+        self._executor = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, trt_config)
+
+    def enqueue_requests(self, requests) -> list[int]:
+        return self._executor.enqueue_requests([self._convert(r) for r in requests])
+
+    def _convert(self, request):
+        t = self._trtllm
+        sampling = {k: v for k, v in dataclasses.asdict(request.sampling_config).items() if v is not None}
+        output = t.OutputConfig(return_log_probs=request.output_config.return_log_probs)
+        output.exclude_input_from_output = request.output_config.exclude_input_from_output
+        return t.Request(input_token_ids=list(request.input_token_ids), max_tokens=request.max_tokens,
+                         streaming=request.streaming, end_id=request.end_id, pad_id=request.pad_id,
+                         stop_words=request.stop_words, bad_words=request.bad_words,
+                         embedding_bias=request.embedding_bias,
+                         sampling_config=t.SamplingConfig(**sampling), output_config=output)
+
+    def __getattr__(self, name):
+        # await_responses, cancel_request, get_latest_iteration_stats, shutdown, ... as they are.
+        return getattr(self._executor, name)

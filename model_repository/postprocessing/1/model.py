@@ -1,0 +1,62 @@
+"""Triton adapter of the detokenizer model (`postprocessing`).
+
+Inputs/outputs: `ensemble.io_contract.POSTPROCESSING`: NVIDIA's TOKENS_BATCH [beam, len] and
+SEQUENCE_LENGTH [beam] → OUTPUT, plus the optional stream context (CONTEXT_IDS,
+CONTEXT_LENGTH, IS_FINAL) that the engine model sends with each streamed chunk so the chunk is
+decoded in context without state here. Parameters: tokenizer_dir, skip_special_tokens
+(default true), trust_remote_code (default false).
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from inflight.triton import params
+from postprocessing.detokenizer import Detokenizer
+from preprocessing.loader import load_tokenizer
+
+
+def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    """[batch, beam, len] ids and [batch, beam] lengths → one id list per (batch, beam)."""
+    lengths = lengths.reshape(-1)
+    tokens = tokens.reshape(len(lengths), tokens.shape[-1])
+    return [tokens[i, :max(0, int(n))].tolist() for i, n in enumerate(lengths)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        values = params.read_parameters(json.loads(args["model_config"]))
+        if "tokenizer_dir" not in values:
+            raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")
+        tokenizer = load_tokenizer(values["tokenizer_dir"],
+                                   trust_remote_code=params.get_bool(values, "trust_remote_code", False))
+        self.detokenizer = Detokenizer(tokenizer, params.get_bool(values, "skip_special_tokens", True))
+
+    def execute(self, requests):
+        # Decode the whole dynamic batch in one call; answer each request with its own rows.
+        token_rows, context_rows, finals, counts = [], [], [], []
+        for request in requests:
+            tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
+            lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
+            rows = _rows(tokens, lengths)
+            context = pb_utils.get_input_tensor_by_name(request, "CONTEXT_IDS")
+            context_len = pb_utils.get_input_tensor_by_name(request, "CONTEXT_LENGTH")
+            if context is not None and context_len is not None:
+                contexts = _rows(context.as_numpy(), context_len.as_numpy())
+            else:
+                contexts = [[] for _ in rows]
+            final = pb_utils.get_input_tensor_by_name(request, "IS_FINAL")
+            is_final = bool(final.as_numpy().reshape(-1)[0]) if final is not None else True
+            token_rows += rows
+            context_rows += contexts
+            finals += [is_final] * len(rows)
+            counts.append((len(rows), tokens.shape[0] if tokens.ndim == 3 else 1))
+        texts = self.detokenizer.decode_batch(token_rows, context_rows, finals)
+        responses, start = [], 0
+        for num_rows, batch in counts:
+            chunk = [t.encode("utf-8") for t in texts[start:start + num_rows]]
+            start += num_rows
+            output = np.asarray(chunk, dtype=np.object_).reshape(batch, -1)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", output)]))
+        return responses

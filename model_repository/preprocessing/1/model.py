@@ -1,0 +1,103 @@
+"""Triton adapter of the tokenizer model (`preprocessing`).
+
+Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE).
+Parameters: tokenizer_dir (required), add_special_tokens (default true), trust_remote_code
+(default false). A bad request gets its own error; the rest of the dynamic batch carries on.
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ensemble.io_contract import PREPROCESSING
+from inflight.triton import params
+from preprocessing.errors import InputError
+from preprocessing.tokenizer import TextTokenizer, decode_query
+
+
+def _strings(tensor) -> list[list[str]]:
+    """A [batch, N] BYTES tensor → per-row lists of words (empty entries dropped)."""
+    if tensor is None:
+        return []
+    rows = tensor.as_numpy()
+    rows = rows.reshape(rows.shape[0], -1) if rows.ndim > 1 else rows.reshape(1, -1)
+    return [[decode_query(w) for w in row if len(w)] for row in rows]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        values = params.read_parameters(json.loads(args["model_config"]))
+        if "tokenizer_dir" not in values:
+            raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")
+        self.tokenizer = TextTokenizer(values["tokenizer_dir"],
+                                       add_special_tokens=params.get_bool(values, "add_special_tokens", True),
+                                       trust_remote_code=params.get_bool(values, "trust_remote_code", False))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                outputs = self._process(request)
+                responses.append(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor(name, value) for name, value in outputs.items()]))
+            except InputError as exc:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+        return responses
+
+    def _input(self, request, name):
+        return pb_utils.get_input_tensor_by_name(request, PREPROCESSING.input(name).name)
+
+    def _process(self, request) -> dict:
+        queries = self._input(request, "QUERY").as_numpy().reshape(-1)
+        batch = len(queries)
+        max_tokens = self._input(request, "REQUEST_OUTPUT_LEN").as_numpy().reshape(batch, -1)
+        if (max_tokens <= 0).any():
+            raise InputError(f"max_tokens must be > 0, got {int(max_tokens.min())}")
+        chat = self._input(request, "APPLY_CHAT_TEMPLATE")
+        chat = bool(chat.as_numpy().reshape(-1)[0]) if chat is not None else False
+        ids = [self.tokenizer.encode(decode_query(q), apply_chat_template=chat) for q in queries]
+
+        end_id = self._scalar_or(request, "END_ID", self.tokenizer.end_id, batch)
+        pad_id = self._scalar_or(request, "PAD_ID", self.tokenizer.pad_id, batch)
+        width = max(len(row) for row in ids)
+        input_id = np.full((batch, width), pad_id[0, 0], dtype=np.int32)
+        for b, row in enumerate(ids):
+            input_id[b, :len(row)] = row
+
+        bias_words = _strings(self._input(request, "EMBEDDING_BIAS_WORDS"))
+        bias_weights = self._input(request, "EMBEDDING_BIAS_WEIGHTS")
+        bias_weights = bias_weights.as_numpy().reshape(batch, -1) if bias_weights is not None else None
+        biases = [self.tokenizer.embedding_bias(
+                      bias_words[b] if b < len(bias_words) else [],
+                      bias_weights[b].tolist() if bias_weights is not None else [])
+                  for b in range(batch)]
+        bias_width = max(len(b) for b in biases)
+        embedding_bias = np.zeros((batch, bias_width), dtype=np.float32)
+        for b, bias in enumerate(biases):
+            embedding_bias[b, :len(bias)] = bias
+
+        return {
+            "INPUT_ID": input_id,
+            "REQUEST_INPUT_LEN": np.asarray([[len(row)] for row in ids], dtype=np.int32),
+            "BAD_WORDS_IDS": self._words(request, "BAD_WORDS_DICT", batch),
+            "STOP_WORDS_IDS": self._words(request, "STOP_WORDS_DICT", batch),
+            "EMBEDDING_BIAS": embedding_bias,
+            "REQUEST_OUTPUT_LEN": max_tokens.astype(np.int32),
+            "OUT_END_ID": end_id,
+            "OUT_PAD_ID": pad_id,
+        }
+
+    def _scalar_or(self, request, name, default, batch) -> np.ndarray:
+        tensor = self._input(request, name)
+        if tensor is None:
+            if default is None:
+                raise InputError(f"{name} is required: the tokenizer defines no default")
+            return np.full((batch, 1), default, dtype=np.int32)
+        return tensor.as_numpy().reshape(batch, 1).astype(np.int32)
+
+    def _words(self, request, name, batch) -> np.ndarray:
+        rows = _strings(self._input(request, name))
+        rows = rows + [[]] * (batch - len(rows))
+        return self.tokenizer.word_list(rows)

@@ -1,0 +1,178 @@
+"""Text → token ids for the preprocessing step, plus the tensors derived from words.
+
+`TextTokenizer` wraps one Hugging Face tokenizer and produces exactly what the engine consumes:
+prompt ids, NVIDIA's stop/bad word-list tensors and an embedding-bias vector. Everything here is
+plain Python/numpy so the Triton adapter stays a thin shell and tests run without a server.
+
+Word-list format (NVIDIA `inflight_batcher_llm`), one `[2, N]` int32 slab per batch row:
+row 0 holds the token ids of all words back to back (padded with 0), row 1 the cumulative end
+offset of each word in row 0 (padded with -1). Words "ab" → [5, 6] and "c" → [7] give
+`[[5, 6, 7], [2, 3]]` padded to `[[5, 6, 7], [2, 3, -1]]`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from preprocessing.errors import InputError
+from preprocessing.loader import load_tokenizer
+
+
+def decode_query(raw: Any) -> str:
+    """One Triton BYTES element (bytes, numpy bytes/object, or a size-1 array of those) → str.
+
+    Raises InputError when the bytes are not valid UTF-8.
+    """
+    if isinstance(raw, np.ndarray):
+        if raw.size != 1:
+            raise InputError(f"text_input must hold one string per request, got shape {raw.shape}")
+        raw = raw.reshape(-1)[0]
+    if isinstance(raw, str):  # np.str_ is a str subclass
+        return str(raw)
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"text_input is not valid UTF-8 (byte {exc.start}: {exc.reason})") from exc
+    raise InputError(f"text_input must be BYTES, got {type(raw).__name__}")
+
+
+def parse_word_list(arr: Any) -> list[list[int]]:
+    """Inverse of `TextTokenizer.word_list` for one request: `[2, N]` (or `[1, 2, N]`) → words.
+
+    -1 offsets are padding and ignored; the other offsets must be strictly increasing and at
+    most N. Raises InputError on anything else, since the tensor comes straight from a client.
+    """
+    a = np.asarray(arr)
+    if a.ndim == 3 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2 or a.shape[0] != 2:
+        raise InputError(f"word list must have shape [2, N], got {list(np.shape(arr))}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"word list must be integers, got {a.dtype}")
+    ids = a[0].astype(np.int64)
+    num_ids = ids.shape[0]
+    words: list[list[int]] = []
+    start = 0
+    for offset in a[1].tolist():
+        if offset == -1:
+            continue
+        if offset < 0:
+            raise InputError(f"word list has a negative offset {offset}")
+        if offset > num_ids:
+            raise InputError(f"word list has offsets past the end ({offset} > {num_ids} ids)")
+        if offset <= start:
+            raise InputError(f"word list offsets must be strictly increasing (got {offset} after {start})")
+        words.append(ids[start:offset].tolist())
+        start = offset
+    return words
+
+
+class TextTokenizer:
+    """Prompt encoding and word tensors for one model's tokenizer.
+
+    Attributes: `tokenizer` (the HF tokenizer), `end_id` (eos id), `pad_id` (pad id, or eos when
+    the tokenizer has none), `vocab_size` (len(tokenizer), computed once: recomputing it per call
+    rebuilds the whole vocabulary dict on some tokenizers).
+    """
+
+    def __init__(self, tokenizer_dir: str | os.PathLike, add_special_tokens: bool = True,
+                 trust_remote_code: bool = False) -> None:
+        self.tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
+        self.add_special_tokens = add_special_tokens
+        self.end_id: int | None = self.tokenizer.eos_token_id
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id: int | None = pad_id if pad_id is not None else self.end_id
+        self.vocab_size: int = len(self.tokenizer)
+
+    # Also reachable through the class, for adapters that hold only a TextTokenizer.
+    decode_query = staticmethod(decode_query)
+    parse_word_list = staticmethod(parse_word_list)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, apply_chat_template: bool = False) -> list[int]:
+        """Prompt text → token ids.
+
+        With `apply_chat_template`, `text` becomes one user message followed by the assistant
+        generation prompt; the template already writes BOS etc., so no extra special tokens are
+        added. Without it, special tokens follow `add_special_tokens` given at construction.
+        Raises InputError for an empty prompt, a prompt that encodes to no tokens, or a chat
+        template request on a tokenizer that has none.
+        """
+        if not isinstance(text, str):
+            raise InputError(f"prompt must be a string, got {type(text).__name__}")
+        if not text:
+            raise InputError("text_input is empty")
+        if apply_chat_template:
+            if not self.has_chat_template:
+                raise InputError("apply_chat_template was requested but this tokenizer has no chat template")
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise InputError("text_input encodes to no tokens")
+        return ids
+
+    def _word_ids(self, word: Any) -> list[int]:
+        """Ids of one stop/bad/bias word, never with special tokens (they would never match)."""
+        if word is None:
+            return []
+        if not isinstance(word, str):
+            word = decode_query(word)
+        if not word:
+            return []
+        return [int(i) for i in self.tokenizer.encode(word, add_special_tokens=False)]
+
+    def word_list(self, rows: list[list[str]]) -> np.ndarray:
+        """Words per batch row → int32 `[batch, 2, N]` in NVIDIA's stop/bad-words format.
+
+        N is the longest row's total id count; words that encode to nothing are skipped, and a
+        batch without any word gives `[batch, 2, 0]`.
+        """
+        flat_rows: list[list[int]] = []
+        offset_rows: list[list[int]] = []
+        for row in rows:
+            flat: list[int] = []
+            offsets: list[int] = []
+            for word in row:
+                ids = self._word_ids(word)
+                if ids:
+                    flat.extend(ids)
+                    offsets.append(len(flat))
+            flat_rows.append(flat)
+            offset_rows.append(offsets)
+        width = max((len(f) for f in flat_rows), default=0)
+        out = np.zeros((len(rows), 2, width), dtype=np.int32)
+        out[:, 1, :] = -1
+        for b, (flat, offsets) in enumerate(zip(flat_rows, offset_rows)):
+            out[b, 0, :len(flat)] = flat
+            out[b, 1, :len(offsets)] = offsets
+        return out
+
+    def embedding_bias(self, words: list[str], weights: list[float]) -> np.ndarray:
+        """Per-token logit bias, float32 `[vocab_size]`; `[0]` when there are no words.
+
+        Each word's weight is added to every token id of that word (once per occurrence).
+        Raises InputError when the lists differ in length or an id is outside the vocabulary.
+        """
+        if len(words) != len(weights):
+            raise InputError(f"embedding_bias_words has {len(words)} entries but "
+                             f"embedding_bias_weights has {len(weights)}")
+        if not words:
+            return np.zeros((0,), dtype=np.float32)
+        bias = np.zeros((self.vocab_size,), dtype=np.float32)
+        for word, weight in zip(words, weights):
+            ids = self._word_ids(word)
+            if any(i < 0 or i >= self.vocab_size for i in ids):
+                raise InputError(f"embedding bias word {word!r} maps outside the vocabulary")
+            np.add.at(bias, np.asarray(ids, dtype=np.int64), np.float32(weight))
+        return bias

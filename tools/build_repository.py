@@ -1,0 +1,141 @@
+"""Build a ready-to-serve Triton model repository from `model_repository/` in one call.
+
+    python tools/build_repository.py --model path/to/hf_dir --out build/repository [--key value ...]
+
+Copies the four models, fills every `config.pbtxt` template from one consistent set of values
+(the defaults below, overridden by `--<key> value` or `--set k1:v1,k2:v2` in fill_template's
+syntax), refuses to write a config that still holds a placeholder (and names it), and checks
+each result against `ensemble.io_contract` by parsing it as Triton's ModelConfig protobuf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fill_template import fill, split_pairs  # noqa: E402
+
+from ensemble.io_contract import MODELS  # noqa: E402
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
+PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
+
+# Every template variable with its default. tokenizer_dir and engine_dir default to --model.
+DEFAULTS = {
+    "triton_backend": "python",
+    "triton_max_batch_size": "64",
+    "decoupled_mode": "true",
+    "max_queue_delay_microseconds": "0",
+    "max_queue_size": "0",
+    "preprocessing_instance_count": "1",
+    "postprocessing_instance_count": "1",
+    "add_special_tokens": "true",
+    "skip_special_tokens": "true",
+    "trust_remote_code": "false",
+    "executor_backend": "builtin",
+    "batching_strategy": "inflight_fused_batching",
+    "max_beam_width": "1",
+    "max_num_sequences": "64",
+    "max_num_tokens": "8192",
+    "max_seq_len": "",
+    "dtype": "auto",
+    "device": "auto",
+    "batch_scheduler_policy": "guaranteed_no_evict",
+    "enable_chunked_context": "true",
+    "max_tokens_in_paged_kv_cache": "",
+    "kv_cache_free_gpu_mem_fraction": "0.9",
+    "kv_cache_cpu_mem_bytes": "",
+    "tokens_per_block": "32",
+    "enable_kv_cache_reuse": "false",
+    # NVIDIA defaults to false; returning the prompt is the most common surprise (user complaint).
+    "exclude_input_in_output": "true",
+    "normalize_log_probs": "true",
+    "cancellation_check_period_ms": "100",
+    "stats_check_period_ms": "100",
+    "iter_stats_max_iterations": "1000",
+}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def check_config(text: str, model: str, path: Path) -> None:
+    """Parse as Triton's ModelConfig and compare its tensors with the I/O contract."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise BuildError(f"{path}: not a valid Triton model config: {exc}") from None
+    contract = MODELS[model]
+    for kind, declared, expected in (("input", config.input, contract.inputs),
+                                     ("output", config.output, contract.outputs)):
+        got = {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims)) for t in declared}
+        want = {t.name: (t.dtype, t.dims) for t in expected}
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))
+            raise BuildError(f"{path}: {kind}s differ from ensemble/io_contract.py: {diff}")
+
+
+def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
+    if out.exists():
+        if not force and any(out.iterdir()):
+            raise BuildError(f"{out} exists and is not empty; pass --force to replace it")
+        shutil.rmtree(out)
+    shutil.copytree(TEMPLATE_DIR, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for model in MODELS:
+        path = out / model / "config.pbtxt"
+        text = fill(path.read_text(), values, strict=False)
+        left = sorted(set(PLACEHOLDER.findall(text)))
+        if left:
+            raise BuildError(f"{path}: no value for {', '.join('${' + v + '}' for v in left)}; "
+                             f"pass --{left[0]} VALUE")
+        check_config(text, model, path)
+        path.write_text(text)
+    return out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
+    parser.add_argument("--out", required=True, type=Path, help="where to write the repository")
+    parser.add_argument("--tokenizer_dir", help="default: --model")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--set", default="", help='more values as "k1:v1,k2:v2" (fill_template syntax)')
+    for key, default in DEFAULTS.items():
+        parser.add_argument(f"--{key}", default=default, help=f"default: {default or '(unset)'}")
+    return parser.parse_args(argv)
+
+
+def values_from_args(args) -> dict[str, str]:
+    model = str(args.model.resolve())
+    values = {key: str(getattr(args, key)) for key in DEFAULTS}
+    values.update(engine_dir=model, tokenizer_dir=str(Path(args.tokenizer_dir).resolve()) if args.tokenizer_dir else model)
+    values.update(split_pairs(args.set) if args.set else {})
+    return values
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        print(f"error: {args.model} is not a Hugging Face model folder (no config.json)", file=sys.stderr)
+        return 1
+    try:
+        out = build(args.out, values_from_args(args), args.force)
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"model repository written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

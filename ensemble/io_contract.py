@@ -136,6 +136,7 @@ TENSORRT_LLM = ModelIO(
         _in("stream_context_ids", "TYPE_INT32", (-1, -1)),  # ext: tokens preceding this chunk
         _in("stream_context_length", "TYPE_INT32", (-1,)),  # ext
         _in("is_final", "TYPE_BOOL"),  # ext: last response of this request
+        _in("request_key", "TYPE_UINT64"),  # ext: see CANCEL_KEY_PREFIX
     ),
 )
 
@@ -146,6 +147,7 @@ POSTPROCESSING = ModelIO(
         _in("CONTEXT_IDS", "TYPE_INT32", (-1, -1)),  # ext
         _in("CONTEXT_LENGTH", "TYPE_INT32", (-1,)),  # ext
         _in("IS_FINAL", "TYPE_BOOL"),  # ext
+        _in("REQUEST_KEY", "TYPE_UINT64"),  # ext
     ),
     outputs=(_in("OUTPUT", "TYPE_STRING", (-1,)),),
 )
@@ -187,6 +189,12 @@ ENSEMBLE = ModelIO(
         _in("num_output_tokens", "TYPE_INT32"),
     ),
 )
+
+# Triton tells an ensemble's running step nothing when the client cancels: only steps started
+# afterwards see `is_cancelled()`. The detokenizer is such a step (it runs once per streamed
+# chunk), so when it sees a cancelled chunk it sends the engine model a `stop` request whose
+# request id is this prefix + the chunk's `request_key`, and the engine cancels that request.
+CANCEL_KEY_PREFIX = "inflight-cancel-key:"
 
 MODELS = {
     "preprocessing": PREPROCESSING,

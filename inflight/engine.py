@@ -287,7 +287,7 @@ class LLMEngine:
             timestamp=IterationStats.now(),
             iter=self.iteration,
             iter_latency_ms=latency_ms,
-            num_active_requests=self.scheduler.num_running,
+            num_active_requests=len(self.requests),
             num_queued_requests=self.scheduler.num_waiting,
             num_completed_requests=self.num_completed_requests,
             max_num_active_requests=self.config.max_batch_size,

@@ -20,6 +20,18 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor -> `device` without a host sync.
+
+    A plain `.to("cuda")` from pageable memory synchronises the stream; staging through pinned
+    memory lets the copy queue behind the GPU's pending work instead.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # (start_position, num_new_tokens, block_table) for one row of the step.
 Row = tuple[int, int, Sequence[int]]
 
@@ -67,7 +79,7 @@ def _build_group(rows: list[Row], row_ids: list[int], token_starts: list[int], b
         group_row = torch.repeat_interleave(torch.arange(len(row_ids)), num_new)  # [Tg]
         first_token = torch.cumsum(num_new, 0) - num_new  # [Bg]
         offset = torch.arange(len(token_indices)) - first_token[group_row]  # [Tg]
-        padded_query_index = (group_row * max_query_len + offset).to(device)
+        padded_query_index = to_device(group_row * max_query_len + offset, device)
 
     q_offsets = torch.arange(max_query_len)  # [Q]
     q_pos = starts[:, None] + torch.minimum(q_offsets[None, :], num_new[:, None] - 1)  # [Bg, Q]
@@ -76,10 +88,10 @@ def _build_group(rows: list[Row], row_ids: list[int], token_starts: list[int], b
     return AttentionGroup(
         num_rows=len(row_ids),
         max_query_len=max_query_len,
-        token_indices=None if is_whole_step else token_indices.to(device),
-        block_tables=padded_tables.to(device),
+        token_indices=None if is_whole_step else to_device(token_indices, device),
+        block_tables=to_device(padded_tables, device),
         padded_query_index=padded_query_index,
-        attn_mask=attn_mask.to(device),
+        attn_mask=to_device(attn_mask, device),
     )
 
 
@@ -126,7 +138,7 @@ class AttentionMetadata:
               device: torch.device | str) -> "AttentionMetadata":
         """Builds the step's metadata from `(start_position, num_new_tokens, block_table)` rows.
 
-        Tensors are assembled on the host and copied to `device` once each; a row's block
+        Tensors are assembled on the host and copied to `device` once each (no host sync); a row's block
         table must cover `start_position + num_new_tokens` tokens (extra entries are ignored).
         """
         if not rows:
@@ -166,11 +178,11 @@ class AttentionMetadata:
             block_tables=block_tables,
             max_query_len=max(r[1] for r in norm_rows),
             max_context_len=max(context_lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(device),
-            last_token_indices=(qsl[1:] - 1).to(device),
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32).to(device),
-            query_start_loc_tensor=qsl.to(torch.int32).to(device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
+            positions=to_device(torch.tensor(positions, dtype=torch.int64), device),
+            last_token_indices=to_device(qsl[1:] - 1, device),
+            context_lens_tensor=to_device(torch.tensor(context_lens, dtype=torch.int32), device),
+            query_start_loc_tensor=to_device(qsl.to(torch.int32), device),
             groups=groups,
         )
 

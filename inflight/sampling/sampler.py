@@ -22,13 +22,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+_GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingRow:
     """One sampled sequence's parameters and history, built by the engine each step."""
 
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
-    temperature: float = 0.0  # 0 => greedy (argmax)
+    temperature: float = 0.0  # 0 (anything < 1e-5) => greedy (argmax)
     top_k: int = 0  # 0 => off
     top_p: float = 1.0  # 1.0 => off
     repetition_penalty: float = 1.0  # HF: divide positive logits, multiply negative ones
@@ -45,7 +48,9 @@ class SamplingRow:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below ~1e-5 dividing by the temperature overflows fp32 logits to inf (NaN softmax),
+        # and the distribution is argmax anyway.
+        return self.temperature < _GREEDY_TEMPERATURE
 
     @property
     def num_generated_tokens(self) -> int:
@@ -80,15 +85,26 @@ class SamplerOutput:
     log_probs: list[float | None]  # None for rows that did not ask for log probs
 
 
+def _tensor_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Moves a tensor to `device` without a host sync (pageable H2D copies sync on CUDA)."""
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _tensor_to(torch.tensor(values, dtype=dtype), device)
+
+
 def _row_param(rows: list[SamplingRow], attr: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([float(getattr(r, attr)) for r in rows], dtype=torch.float32,
-                        device=device).unsqueeze(1)  # [S, 1]
+    values = [float(getattr(r, attr)) for r in rows]
+    return _to_device(values, torch.float32, device).unsqueeze(1)  # [S, 1]
 
 
 def _flat_indices(per_row: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Indices into logits.view(-1) for (row, token) pairs: row * vocab + token."""
     flat = [r * vocab_size + t for r, tokens in enumerate(per_row) for t in tokens]
-    return torch.tensor(flat, dtype=torch.int64, device=device)
+    return _to_device(flat, torch.int64, device)
 
 
 class Sampler:
@@ -103,7 +119,7 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         logits = self.process_logits(logits, rows)  # [S, vocab]
-        greedy = torch.tensor([r.is_greedy for r in rows], device=logits.device)  # [S]
+        greedy = _to_device([r.is_greedy for r in rows], torch.bool, logits.device)  # [S]
         if all(r.is_greedy for r in rows):
             tokens = logits.argmax(dim=-1)  # [S]
         else:
@@ -111,8 +127,8 @@ class Sampler:
 
         if not want_log_probs:
             return SamplerOutput(tokens.tolist(), [None] * len(rows))
-        temperature = torch.tensor([1.0 if r.is_greedy else r.temperature for r in rows],
-                                   dtype=torch.float32, device=logits.device).unsqueeze(1)
+        temperature = _to_device([1.0 if r.is_greedy else r.temperature for r in rows],
+                                 torch.float32, logits.device).unsqueeze(1)  # [S, 1]
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
         chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
         # One transfer for both: float64 holds every token id exactly.
@@ -131,13 +147,14 @@ class Sampler:
             bias = torch.zeros_like(logits)
             for i, r in enumerate(rows):
                 if r.embedding_bias is not None:
-                    bias[i] = r.embedding_bias.to(device=device, dtype=logits.dtype)
+                    bias[i] = _tensor_to(r.embedding_bias, device).to(logits.dtype)
             logits += bias
 
         if any(r.repetition_penalty != 1.0 for r in rows):
             seen = torch.zeros(num_rows * vocab_size, dtype=torch.bool, device=device)
             per_row = [list(set(r.token_ids)) if r.repetition_penalty != 1.0 else [] for r in rows]
-            seen[_flat_indices(per_row, vocab_size, device)] = True
+            # index_fill_, not `seen[idx] = True`: the latter syncs on CUDA.
+            seen.index_fill_(0, _flat_indices(per_row, vocab_size, device), True)
             seen = seen.view(num_rows, vocab_size)
             penalty = _row_param(rows, "repetition_penalty", device)  # [S, 1]
             penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
@@ -164,8 +181,8 @@ class Sampler:
         """Temperature, top-k, top-p and a per-row draw; [S] token ids (greedy rows: junk)."""
         device = logits.device
         vocab_size = logits.shape[1]
-        temperature = torch.tensor([r.temperature if not r.is_greedy else 1.0 for r in rows],
-                                   dtype=torch.float32, device=device).unsqueeze(1)  # [S, 1]
+        temperature = _to_device([r.temperature if not r.is_greedy else 1.0 for r in rows],
+                                 torch.float32, device).unsqueeze(1)  # [S, 1]
         logits = logits / temperature
 
         use_top_k = any(0 < r.top_k < vocab_size for r in rows)
@@ -173,8 +190,8 @@ class Sampler:
         if use_top_k or use_top_p:
             sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [S, vocab]
             if use_top_k:
-                top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab_size else vocab_size
-                                      for r in rows], dtype=torch.int64, device=device)
+                top_k = _to_device([r.top_k if 0 < r.top_k < vocab_size else vocab_size
+                                    for r in rows], torch.int64, device)
                 # Threshold at the k-th largest value: ties with it survive, as in HF.
                 kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # [S, 1]
                 sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))

@@ -39,6 +39,7 @@ class RowState:
 
     batch_index: int
     options: RequestOptions
+    request_key: int = 0  # unique per Triton request; see ensemble.io_contract.CANCEL_KEY_PREFIX
     # Generated tokens already sent (last CONTEXT_TOKENS only): the next chunk's context.
     context_ids: list[int] = field(default_factory=list)
 
@@ -169,6 +170,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
         "stream_context_ids": np.asarray([[context]], dtype=np.int32).reshape(1, 1, len(context)),
         "stream_context_length": np.asarray([[len(context)]], dtype=np.int32),
         "is_final": np.asarray([[result.is_final]], dtype=np.bool_),
+        "request_key": np.asarray([[row.request_key]], dtype=np.uint64),
     }
     if options.streaming:
         row.context_ids = (row.context_ids + tokens)[-CONTEXT_TOKENS:]

@@ -9,6 +9,7 @@ responses and sends them (the final flag rides on the last one); one thread poll
 `stop: true` cancels the in-flight requests that carry the same request id.
 """
 
+import itertools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble.io_contract import TENSORRT_LLM
+from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM
 from inflight.executor.types import FinishReason, RequestError
-from inflight.triton import convert, params
+from inflight.triton import convert, metrics, params
 from inflight.triton.backend import create_executor
 from preprocessing.errors import InputError
 
@@ -32,6 +33,7 @@ class Pending:
     sender: object
     request: object
     user_id: str
+    key: int
     rows: dict = field(default_factory=dict)  # executor id -> convert.RowState
     num_open_rows: int = 0
     is_client_cancelled: bool = False
@@ -44,6 +46,7 @@ class TritonPythonModel:
         values = params.read_parameters(model_config)
         self.default_exclude_input = params.get_bool(values, "exclude_input_in_output", False)
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
+        self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
         config = params.executor_config(values, params.queue_size(model_config))
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
@@ -55,9 +58,13 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.by_executor_id = {}  # executor id -> Pending
         self.by_user_id = {}  # client request id -> set of Pending
+        self.by_key = {}  # request key -> Pending
+        self.keys = itertools.count(1)
         self.running = True
+        self._create_metrics(args["model_name"], args["model_version"])
         self.threads = [threading.Thread(target=self._respond_loop, daemon=True),
-                        threading.Thread(target=self._cancel_loop, daemon=True)]
+                        threading.Thread(target=self._cancel_loop, daemon=True),
+                        threading.Thread(target=self._stats_loop, daemon=True)]
         for thread in self.threads:
             thread.start()
 
@@ -70,13 +77,15 @@ class TritonPythonModel:
                     self._stop(request, sender)
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input)
-                pending = Pending(sender, request, request.request_id(), num_open_rows=len(rows))
+                pending = Pending(sender, request, request.request_id(), next(self.keys),
+                                  num_open_rows=len(rows))
                 with self.lock:
                     ids = self.executor.enqueue_requests(rows)
                     for index, executor_id in enumerate(ids):
-                        pending.rows[executor_id] = convert.RowState(index, options)
+                        pending.rows[executor_id] = convert.RowState(index, options, pending.key)
                         self.by_executor_id[executor_id] = pending
                     self.by_user_id.setdefault(pending.user_id, set()).add(pending)
+                    self.by_key[pending.key] = pending
             except (RequestError, InputError) as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
             except Exception as exc:  # keep serving the other requests of this batch
@@ -98,9 +107,15 @@ class TritonPythonModel:
                              pb_utils.TritonError.INVALID_ARG)
             return
         with self.lock:
-            for pending in self.by_user_id.get(user_id, ()):
-                for executor_id in pending.rows:
-                    self.executor.cancel_request(executor_id)
+            if user_id.startswith(CANCEL_KEY_PREFIX):  # the detokenizer saw a cancelled chunk
+                key = int(user_id[len(CANCEL_KEY_PREFIX):])
+                targets = [self.by_key[key]] if key in self.by_key else []
+                for pending in targets:
+                    pending.is_client_cancelled = True
+            else:
+                targets = list(self.by_user_id.get(user_id, ()))
+        for pending in targets:
+            self._cancel(pending)
         sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
 
     @staticmethod
@@ -118,6 +133,8 @@ class TritonPythonModel:
                     if is_row_done:
                         del self.by_executor_id[response.request_id]
                         pending.num_open_rows -= 1
+                        if not response.has_error():
+                            self._observe_token_lengths(response.result)
                     is_last = pending.num_open_rows == 0
                     if is_last:
                         self._forget(pending)
@@ -142,6 +159,7 @@ class TritonPythonModel:
             self._cancel(pending)
 
     def _forget(self, pending):
+        self.by_key.pop(pending.key, None)
         peers = self.by_user_id.get(pending.user_id)
         if peers is not None:
             peers.discard(pending)
@@ -166,8 +184,52 @@ class TritonPythonModel:
                     pending.is_client_cancelled = True
                     self._cancel(pending)
 
+    def _create_metrics(self, model_name, model_version):
+        labels = {"model": model_name, "version": str(model_version)}
+        self.gauges, self.histograms, self.metric_families = {}, {}, []
+        try:
+            for name, (label_key, description) in metrics.GAUGE_FAMILIES.items():
+                family = pb_utils.MetricFamily(name=name, description=description,
+                                               kind=pb_utils.MetricFamily.GAUGE)
+                self.metric_families.append(family)
+                self.gauges[name] = (family, label_key)
+            for name, (label_key, label, description) in metrics.HISTOGRAM_FAMILIES.items():
+                family = pb_utils.MetricFamily(name=name, description=description,
+                                               kind=pb_utils.MetricFamily.HISTOGRAM)
+                self.metric_families.append(family)
+                self.histograms[name] = family.Metric(labels={**labels, label_key: label},
+                                                      buckets=metrics.TOKEN_LEN_BUCKETS)
+        except Exception as exc:  # the server runs with --allow-metrics=false
+            pb_utils.Logger.log_warn(f"metrics disabled: {exc}")
+            self.gauges, self.histograms = {}, {}
+        self.gauge_metrics = {}
+        self.metric_labels = labels
+
+    def _observe_token_lengths(self, result):
+        if self.histograms:
+            self.histograms["nv_llm_input_token_len"].observe(result.num_input_tokens)
+            self.histograms["nv_llm_output_token_len"].observe(result.num_output_tokens)
+
+    def _stats_loop(self):
+        stopped = threading.Event()
+        while self.running and not stopped.wait(self.stats_period_s):
+            if not self.gauges:
+                return
+            stats = self.executor.get_latest_iteration_stats()
+            latest = stats[-1] if stats else self.executor.get_current_stats()
+            for (family_name, label), value in metrics.gauge_values(latest).items():
+                key = (family_name, label)
+                if key not in self.gauge_metrics:
+                    family, label_key = self.gauges[family_name]
+                    self.gauge_metrics[key] = family.Metric(labels={**self.metric_labels, label_key: label})
+                self.gauge_metrics[key].set(value)
+
     def finalize(self):
         self.running = False
         for thread in self.threads:
             thread.join(timeout=5)
         self.executor.shutdown()
+        # Metrics must go before their families.
+        self.gauge_metrics.clear()
+        self.histograms.clear()
+        self.metric_families.clear()

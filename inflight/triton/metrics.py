@@ -1,0 +1,61 @@
+"""Map executor iteration stats to NVIDIA's `nv_trt_llm_*` metric names and labels.
+
+Triton-free: `gauge_values` returns {(family, label value): number}; the model file owns the
+`pb_utils.MetricFamily` objects and sets them from this mapping every `stats_check_period_ms`.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from inflight.executor.stats import IterationStats
+
+# family -> (label key, description)
+GAUGE_FAMILIES = {
+    "nv_trt_llm_request_metrics": ("request_type", "TRT LLM request metrics"),
+    "nv_trt_llm_runtime_memory_metrics": ("memory_type", "TRT LLM runtime memory metrics"),
+    "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", "TRT LLM KV cache block metrics"),
+    "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
+                                            "TRT LLM inflight_batcher-specific metrics"),
+    "nv_trt_llm_general_metrics": ("general_type", "General TRT LLM metrics"),
+}
+HISTOGRAM_FAMILIES = {
+    "nv_llm_input_token_len": ("response_metric_type", "total_input_tokens", "TRT LLM response input token length"),
+    "nv_llm_output_token_len": ("response_metric_type", "total_output_tokens", "TRT LLM response output token length"),
+}
+TOKEN_LEN_BUCKETS = [10, 50, 100, 500, 1000]
+
+
+def _epoch_seconds(timestamp: str) -> float:
+    try:
+        return datetime.datetime.strptime(timestamp, "%m-%d-%Y %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return 0.0
+
+
+def gauge_values(stats: IterationStats) -> dict[tuple[str, str], float]:
+    kv = stats.kv_cache_stats
+    ib = stats.inflight_batching_stats
+    return {
+        ("nv_trt_llm_request_metrics", "active"): stats.num_active_requests,
+        ("nv_trt_llm_request_metrics", "max"): stats.max_num_active_requests,
+        ("nv_trt_llm_request_metrics", "scheduled"): ib.num_scheduled_requests,
+        ("nv_trt_llm_request_metrics", "context"): ib.num_context_requests,
+        ("nv_trt_llm_request_metrics", "waiting"): max(0, stats.num_active_requests - ib.num_scheduled_requests),
+        ("nv_trt_llm_runtime_memory_metrics", "cpu"): stats.cpu_mem_usage,
+        ("nv_trt_llm_runtime_memory_metrics", "gpu"): stats.gpu_mem_usage,
+        ("nv_trt_llm_runtime_memory_metrics", "pinned"): stats.pinned_mem_usage,
+        ("nv_trt_llm_kv_cache_block_metrics", "max"): kv.max_num_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "free"): kv.free_num_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "used"): kv.used_num_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "reused"): kv.reused_blocks,
+        ("nv_trt_llm_kv_cache_block_metrics", "tokens_per"): kv.tokens_per_block,
+        ("nv_trt_llm_kv_cache_block_metrics", "fraction"):
+            kv.used_num_blocks / kv.max_num_blocks if kv.max_num_blocks else 0.0,
+        ("nv_trt_llm_inflight_batcher_metrics", "total_context_tokens"): ib.num_ctx_tokens,
+        ("nv_trt_llm_inflight_batcher_metrics", "generation_requests"): ib.num_gen_requests,
+        ("nv_trt_llm_inflight_batcher_metrics", "micro_batch_id"): ib.micro_batch_id,
+        ("nv_trt_llm_inflight_batcher_metrics", "paused_requests"): ib.num_paused_requests,
+        ("nv_trt_llm_general_metrics", "iteration_counter"): stats.iter,
+        ("nv_trt_llm_general_metrics", "timestamp"): _epoch_seconds(stats.timestamp),
+    }

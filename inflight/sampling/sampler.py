@@ -119,10 +119,10 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         logits = self.process_logits(logits, rows)  # [S, vocab]
-        greedy = _to_device([r.is_greedy for r in rows], torch.bool, logits.device)  # [S]
         if all(r.is_greedy for r in rows):
             tokens = logits.argmax(dim=-1)  # [S]
         else:
+            greedy = _to_device([r.is_greedy for r in rows], torch.bool, logits.device)  # [S]
             tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample_random(logits, rows))
 
         if not want_log_probs:

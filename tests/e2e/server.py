@@ -1,0 +1,205 @@
+"""A real tritonserver for end-to-end tests: build a repository, start it on free loopback
+ports, talk to it with tritonclient, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import re
+import shutil
+import socket
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import build_repository  # noqa: E402
+import launch_triton_server  # noqa: E402
+
+from ensemble.io_contract import ENSEMBLE, TENSORRT_LLM  # noqa: E402
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@dataclass
+class Server:
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_file: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        lines = self.log_file.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    # ----- metrics -------------------------------------------------------------------------
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        """{(family, category label value): value} for the nv_trt_llm_* gauges."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics").read().decode()
+        values = {}
+        for line in text.splitlines():
+            match = re.match(r'(nv_trt_llm_\w+)\{([^}]*)\} (\S+)', line)
+            if match:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+                category = [v for k, v in labels.items() if k not in ("model", "version")][0]
+                values[(match.group(1), category)] = float(match.group(3))
+        return values
+
+    def wait_idle(self, timeout_s: float = 30) -> dict:
+        """Wait until the engine holds no request and every KV block is free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = (m.get(("nv_trt_llm_request_metrics", "active")) == 0
+                    and m.get(("nv_trt_llm_kv_cache_block_metrics", "used")) == 0
+                    and m.get(("nv_trt_llm_kv_cache_block_metrics", "free"))
+                    == m.get(("nv_trt_llm_kv_cache_block_metrics", "max")))
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def http_generate(self, body: dict, stream: bool = False) -> list[dict]:
+        path = "generate_stream" if stream else "generate"
+        request = urllib.request.Request(f"{self.http_url}/v2/models/ensemble/{path}",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                lines = [line.decode().strip() for line in reply]
+        except urllib.error.HTTPError as exc:
+            return [json.loads(exc.read().decode())]
+        return [json.loads(line.removeprefix("data: ")) for line in lines if line]
+
+    def stream(self, values: dict, model: str = "ensemble", request_id: str = "",
+               timeout_s: float = 120) -> "StreamResult":
+        """One request over a gRPC stream; collects every response until the final one."""
+        client, results = self.open_stream()
+        try:
+            self.send(client, values, model, request_id)
+            return collect(results, timeout_s)
+        finally:
+            client.stop_stream()
+            client.close()
+
+    def open_stream(self):
+        import tritonclient.grpc as grpcclient
+
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        return client, results
+
+    @staticmethod
+    def send(client, values: dict, model: str = "ensemble", request_id: str = "") -> None:
+        client.async_stream_infer(model, make_inputs(values, model), request_id=request_id,
+                                  enable_empty_final_response=True)
+
+
+@dataclass
+class StreamResult:
+    texts: list[str]
+    outputs: list[dict]
+    error: str | None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def make_inputs(values: dict, model: str = "ensemble") -> list:
+    import tritonclient.grpc as grpcclient
+
+    contract = ENSEMBLE if model == "ensemble" else TENSORRT_LLM
+    inputs = []
+    for name, value in values.items():
+        try:
+            spec = contract.input(name)
+            dtype, np_dtype = spec.client_dtype, spec.numpy_dtype
+        except KeyError:  # tests may send inputs the contract does not know
+            dtype, np_dtype = "INT32", np.int32
+        if isinstance(value, np.ndarray):
+            array = value
+            dtype = {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+                     np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL"}.get(value.dtype, "BYTES")
+        elif dtype == "BYTES":
+            items = value if isinstance(value, list) else [value]
+            array = np.array([[v.encode("utf-8") if isinstance(v, str) else v for v in items]], dtype=np.object_)
+        else:
+            array = np.array([[value]], dtype=np_dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def collect(results: queue.Queue, timeout_s: float = 120) -> StreamResult:
+    texts, outputs = [], []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        if error is not None:
+            return StreamResult(texts, outputs, str(error))
+        out = {}
+        for tensor in result.get_response().outputs:
+            out[tensor.name] = result.as_numpy(tensor.name)
+        if "text_output" in out and out["text_output"] is not None and out["text_output"].size:
+            texts.append(out["text_output"].reshape(-1)[0].decode("utf-8"))
+        if out:
+            outputs.append(out)
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return StreamResult(texts, outputs, None)
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, work_dir: Path, **build_values):
+    """Build a repository for `model_dir` under `work_dir` and serve it until the block ends."""
+    args = build_repository.parse_args(["--model", str(model_dir), "--out", str(work_dir / "repo"),
+                                        "--force"])
+    values = build_repository.values_from_args(args)
+    values.update({k: str(v) for k, v in build_values.items()})
+    build_repository.build(work_dir / "repo", values, force=True)
+    http_port, grpc_port, metrics_port = free_ports(3)
+    log_file = work_dir / "server.log"
+    launch_args = launch_triton_server.parse_args([
+        "--model_repo", str(work_dir / "repo"), "--http_port", str(http_port),
+        "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
+        "--log-file", str(log_file), "--shm_prefix", f"inflighttest{http_port}_"])
+    process, scratch = launch_triton_server.launch(launch_args)
+    server = Server(http_port, grpc_port, metrics_port, log_file)
+    try:
+        try:
+            launch_triton_server.wait_ready(process, "127.0.0.1", http_port, timeout_s=300)
+        except launch_triton_server.ServerError as exc:
+            raise RuntimeError(f"{exc}\n--- server log ---\n{server.log_tail()}") from None
+        yield server
+    finally:
+        launch_triton_server.stop(process)
+        shutil.rmtree(scratch, ignore_errors=True)

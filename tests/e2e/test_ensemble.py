@@ -1,0 +1,169 @@
+"""End to end through a real tritonserver: tokenizer → engine → detokenizer (SmolLM2, CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+CHAT = {"apply_chat_template": True}
+
+
+def test_chat_prompt_answers_paris(server):
+    result = server.stream({"text_input": "What is the capital of France?", "max_tokens": 24,
+                            "stream": False, **CHAT})
+    assert result.error is None, result.error
+    assert len(result.texts) == 1
+    assert "Paris" in result.text
+
+
+@pytest.mark.parametrize("prompt", [
+    "What is the capital of France?",
+    "Write the numbers from 1 to 12, separated by spaces.",
+    "Translate 'good morning, friend' into Chinese and Japanese.",
+    "Reply with three emoji that describe the sea, then explain each.",
+])
+def test_streamed_chunks_concatenate_to_the_non_streamed_text(server, prompt):
+    values = {"text_input": prompt, "max_tokens": 48, **CHAT}
+    whole = server.stream({**values, "stream": False})
+    streamed = server.stream({**values, "stream": True})
+    assert whole.error is None and streamed.error is None
+    assert len(streamed.texts) > 3  # really streamed, one delta per step
+    assert streamed.text == whole.text
+    assert "\ufffd" not in streamed.text
+
+
+def test_exclude_input_in_output_returns_only_the_completion(server):
+    prompt = "The three most important inventions are"
+    echoed = server.stream({"text_input": prompt, "max_tokens": 8, "stream": False,
+                            "exclude_input_in_output": False})
+    completion = server.stream({"text_input": prompt, "max_tokens": 8, "stream": False,
+                                "exclude_input_in_output": True})
+    assert echoed.text == prompt + completion.text
+    assert not completion.text.startswith(prompt)
+
+
+def test_optional_outputs(server):
+    result = server.stream({"text_input": "Hello", "max_tokens": 5, "stream": False,
+                            "return_log_probs": True, "return_num_input_tokens": True,
+                            "return_num_output_tokens": True, "temperature": 0.8, "seed": 7})
+    assert result.error is None, result.error
+    out = result.outputs[-1]
+    assert out["num_input_tokens"].reshape(-1)[0] > 0
+    num_output = int(out["num_output_tokens"].reshape(-1)[0])
+    log_probs = out["output_log_probs"].reshape(-1)
+    assert 0 < num_output <= 5 and len(log_probs) == num_output
+    assert np.all(log_probs <= 0)
+    assert out["cum_log_probs"].reshape(-1)[0] == pytest.approx(float(log_probs.sum()), rel=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(server):
+    values = {"text_input": "Once upon a time", "max_tokens": 12, "stream": False,
+              "temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    assert server.stream(values).text == server.stream(values).text
+
+
+def test_stop_words_end_generation(server):
+    values = {"text_input": "Count: 1, 2, 3, 4, 5,", "max_tokens": 30, "stream": False}
+    free = server.stream(values).text
+    assert " 7" in free
+    stopped = server.stream({**values, "stop_words": [" 7"]}).text
+    assert stopped.endswith(" 7") and len(stopped) < len(free)
+
+
+def test_http_generate_and_generate_stream(server):
+    body = {"text_input": "What is the capital of France?", "max_tokens": 24, **CHAT}
+    [single] = server.http_generate(body)
+    assert "Paris" in single["text_output"]
+    events = server.http_generate({**body, "stream": True}, stream=True)
+    assert len(events) > 3 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == single["text_output"]
+
+
+def test_concurrent_streams_share_engine_steps(server):
+    prompts = [f"Tell me a short fact about the number {i}." for i in range(8)]
+    results: dict[int, object] = {}
+    peak = {"scheduled": 0, "generation": 0}
+    done = threading.Event()
+
+    def watch_metrics():
+        while not done.is_set():
+            m = server.metrics()
+            peak["scheduled"] = max(peak["scheduled"], m.get(("nv_trt_llm_request_metrics", "scheduled"), 0))
+            peak["generation"] = max(peak["generation"],
+                                     m.get(("nv_trt_llm_inflight_batcher_metrics", "generation_requests"), 0))
+            time.sleep(0.05)
+
+    def run(i):
+        results[i] = server.stream({"text_input": prompts[i], "max_tokens": 32, "stream": True, **CHAT})
+
+    watcher = threading.Thread(target=watch_metrics)
+    watcher.start()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    done.set()
+    watcher.join()
+    assert sorted(results) == list(range(8))
+    for result in results.values():
+        assert result.error is None and result.text
+    # In-flight batching: requests were computed in the same steps, not one after another.
+    assert peak["scheduled"] >= 4, peak
+    assert peak["generation"] >= 4, peak
+    server.wait_idle()
+
+
+def test_cancelling_a_stream_stops_generation_and_frees_kv_blocks(server):
+    client, results = server.open_stream()
+    server.send(client, {"text_input": "Write a very long story about a dragon.", "max_tokens": 400,
+                         "stream": True, **CHAT})
+    first = results.get(timeout=60)
+    assert first[1] is None
+    time.sleep(0.5)
+    assert server.metrics()[("nv_trt_llm_request_metrics", "active")] == 1
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    metrics = server.wait_idle(timeout_s=10)
+    assert metrics[("nv_trt_llm_request_metrics", "active")] == 0, metrics
+    assert metrics[("nv_trt_llm_kv_cache_block_metrics", "free")] == \
+        metrics[("nv_trt_llm_kv_cache_block_metrics", "max")]
+    # It stopped early: the iteration counter no longer moves.
+    before = server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")]
+    time.sleep(0.5)
+    assert server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")] == before
+
+
+def _assert_still_serving(server):
+    ok = server.stream({"text_input": "What is the capital of France?", "max_tokens": 16,
+                        "stream": False, **CHAT})
+    assert ok.error is None and "Paris" in ok.text
+
+
+def test_missing_input_gets_a_clear_error_over_http(server):
+    # Over a gRPC stream, Triton 2.51 drops this validation error without a response; HTTP has it.
+    [reply] = server.http_generate({"max_tokens": 5})
+    assert "missing required input(s) ['text_input']" in reply["error"]
+    _assert_still_serving(server)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
+    ({"text_input": "Hi", "max_tokens": -3}, "max_tokens must be > 0"),
+    ({"text_input": "Hi", "max_tokens": np.array([[1.5]], dtype=np.float32)},
+     "data-type is 'FP32', but model 'ensemble' expects 'INT32'"),
+    ({"text_input": "Hi", "max_tokens": 5, "bogus": 1}, "unexpected inference input 'bogus'"),
+    ({"text_input": "", "max_tokens": 5}, "text_input is empty"),
+    ({"text_input": "Hi", "max_tokens": 5, "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": "Hi", "max_tokens": 5, "beam_width": 2}, "beam_width must be 1"),
+    ({"text_input": "Hi", "max_tokens": 100000}, "exceeds the maximum sequence length"),
+])
+def test_bad_requests_get_a_clear_error_and_the_server_carries_on(server, values, message):
+    result = server.stream({"stream": False, **values})
+    assert result.error is not None and message in result.error, result.error
+    _assert_still_serving(server)

@@ -1,0 +1,169 @@
+"""preprocessing.TextTokenizer: prompts, chat template, word lists, embedding bias, UTF-8 checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from preprocessing import InputError, TextTokenizer, decode_query, parse_word_list
+
+
+@pytest.fixture(scope="module")
+def tt(smollm2_dir) -> TextTokenizer:
+    return TextTokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory) -> Path:
+    """mistral-common's SentencePiece model as a Llama-style folder (located, not imported)."""
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("mistral-common is not installed")
+    dest = tmp_path_factory.mktemp("mistral_sp")
+    shutil.copyfile(Path(next(iter(spec.submodule_search_locations))) / "data" / "tokenizer.model.v1",
+                    dest / "tokenizer.model")
+    (dest / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return dest
+
+
+def _word_ids(tt: TextTokenizer, word: str) -> list[int]:
+    return tt.tokenizer.encode(word, add_special_tokens=False)
+
+
+def test_ids_and_sizes(tt):
+    assert tt.end_id == 2  # <|im_end|>
+    assert tt.pad_id == 2
+    assert tt.vocab_size == len(tt.tokenizer) == 49152
+
+
+def test_pad_falls_back_to_eos(sp_dir):
+    sp = TextTokenizer(sp_dir)
+    assert sp.tokenizer.pad_token_id is None
+    assert sp.end_id == 2 and sp.pad_id == 2
+    assert sp.vocab_size == 32000
+
+
+def test_encode_plain(tt):
+    ids = tt.encode("Hello world")
+    assert ids == tt.tokenizer.encode("Hello world")
+    assert all(isinstance(i, int) for i in ids)
+    assert tt.tokenizer.decode(ids) == "Hello world"  # SmolLM2 adds no BOS
+
+
+def test_encode_with_chat_template(tt):
+    ids = tt.encode("What is 2+2?", apply_chat_template=True)
+    text = tt.tokenizer.decode(ids)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids != tt.encode("What is 2+2?")
+    assert ids.count(tt.tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
+
+
+def test_chat_template_adds_no_extra_special_tokens(sp_dir, tmp_path):
+    """A template that writes BOS itself must not get a second BOS from add_special_tokens."""
+    folder = tmp_path / "sp_chat"
+    shutil.copytree(sp_dir, folder)
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
+              "chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]"
+                               "{% endfor %}"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    sp = TextTokenizer(folder)
+    bos = sp.tokenizer.bos_token_id
+    assert sp.encode("Hi there")[0] == bos  # so a doubled BOS would show below
+    ids = sp.encode("Hi there", apply_chat_template=True)
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert "[INST] Hi there [/INST]" in sp.tokenizer.decode(ids)
+
+
+def test_encode_errors(tt, sp_dir, monkeypatch):
+    with pytest.raises(InputError, match="empty"):
+        tt.encode("")
+    with pytest.raises(InputError, match="chat template"):
+        TextTokenizer(sp_dir).encode("hi", apply_chat_template=True)
+    sp = TextTokenizer(sp_dir, add_special_tokens=False)
+    monkeypatch.setattr(sp.tokenizer, "encode", lambda *args, **kwargs: [])
+    with pytest.raises(InputError, match="no tokens"):
+        sp.encode("x")
+    assert issubclass(InputError, ValueError)
+
+
+def test_decode_query():
+    assert decode_query(b"caf\xc3\xa9") == "café"
+    assert decode_query(np.array([b"hi"], dtype=object)[0]) == "hi"
+    assert decode_query(np.array([[b"hi"]], dtype=object)) == "hi"
+    assert decode_query(np.bytes_(b"x")) == "x"
+    assert decode_query("already text") == "already text"
+    assert TextTokenizer.decode_query(b"ok") == "ok"
+    with pytest.raises(InputError, match="text_input is not valid UTF-8"):
+        decode_query(b"bad \xff\xfe bytes")
+    with pytest.raises(InputError, match="text_input is not valid UTF-8"):
+        decode_query(np.array([b"\xc3"], dtype=object))
+
+
+def test_word_list_format(tt):
+    rows = [["Hello", "", "world wide"], [], ["stop"]]
+    arr = tt.word_list(rows)
+    hello, world, stop = _word_ids(tt, "Hello"), _word_ids(tt, "world wide"), _word_ids(tt, "stop")
+    width = len(hello) + len(world)
+    assert arr.dtype == np.int32 and arr.shape == (3, 2, width)
+    assert arr[0, 0].tolist() == hello + world
+    assert arr[0, 1].tolist() == [len(hello), width] + [-1] * (width - 2)
+    assert arr[1, 0].tolist() == [0] * width and arr[1, 1].tolist() == [-1] * width
+    assert arr[2, 0].tolist() == stop + [0] * (width - len(stop))
+    assert arr[2, 1].tolist() == [len(stop)] + [-1] * (width - 1)
+    # Round trip, as the engine adapter reads it.
+    assert parse_word_list(arr[0]) == [hello, world]
+    assert parse_word_list(arr[1]) == []
+    assert parse_word_list(arr[2:3]) == [stop]  # [1, 2, N] accepted too
+    assert TextTokenizer.parse_word_list(arr[2]) == [stop]
+
+
+def test_word_list_without_words(tt):
+    arr = tt.word_list([[], ["", None]])
+    assert arr.shape == (2, 2, 0) and arr.dtype == np.int32
+    assert parse_word_list(arr[0]) == []
+    assert tt.word_list([]).shape == (0, 2, 0)
+
+
+def test_word_list_accepts_bytes(tt):
+    assert tt.word_list([[b"Hello"]]).tolist() == tt.word_list([["Hello"]]).tolist()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([[5, 6, 7], [2, 9, -1]], "offsets past the end"),
+    ([[5, 6, 7], [2, 2, -1]], "strictly increasing"),
+    ([[5, 6, 7], [0, -1, -1]], "strictly increasing"),
+    ([[5, 6, 7], [-2, -1, -1]], "negative"),
+    ([[5, 6, 7]], r"shape \[2, N\]"),
+    ([[[5], [1]], [[5], [1]]], r"shape \[2, N\]"),
+    (np.array([[5.0], [1.0]]), "integers"),
+])
+def test_malformed_word_lists_rejected(bad, match):
+    with pytest.raises(InputError, match=match):
+        parse_word_list(np.asarray(bad))
+
+
+def test_embedding_bias(tt):
+    bias = tt.embedding_bias(["Hello", "world"], [1.5, -2.0])
+    assert bias.dtype == np.float32 and bias.shape == (tt.vocab_size,)
+    hello, world = _word_ids(tt, "Hello"), _word_ids(tt, "world")
+    expected = np.zeros(tt.vocab_size, dtype=np.float32)
+    for i in hello:
+        expected[i] += 1.5
+    for i in world:
+        expected[i] += -2.0
+    np.testing.assert_array_equal(bias, expected)
+    assert np.count_nonzero(bias) == len(set(hello) | set(world))
+
+
+def test_embedding_bias_edge_cases(tt):
+    assert tt.embedding_bias([], []).shape == (0,)
+    with pytest.raises(InputError, match="entries"):
+        tt.embedding_bias(["a", "b"], [1.0])
+    # A word that encodes to nothing contributes nothing.
+    assert not tt.embedding_bias([""], [3.0]).any()

@@ -1,0 +1,152 @@
+"""The Triton-free halves of the model adapters: tensors ↔ executor types, parameters, builder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ensemble.io_contract import CANCEL_KEY_PREFIX, MODELS
+from inflight.executor.config import CapacitySchedulerPolicy, ConfigError
+from inflight.executor.types import FinishReason, RequestError, Response, Result
+from inflight.triton import convert, params
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import build_repository  # noqa: E402
+
+
+def _inputs(**values):
+    base = {"input_ids": np.array([[5, 6, 7, 0]], dtype=np.int32),
+            "input_lengths": np.array([[3]], dtype=np.int32),
+            "request_output_len": np.array([[4]], dtype=np.int32)}
+    base.update({k: np.asarray(v) for k, v in values.items()})
+    return base
+
+
+def test_request_rows_maps_nvidia_tensors_to_executor_fields():
+    rows, options = convert.request_rows(_inputs(
+        end_id=np.array([2], dtype=np.int32), temperature=np.array([0.7], dtype=np.float32),
+        runtime_top_k=np.array([5], dtype=np.int32), runtime_top_p=np.array([0.9], dtype=np.float32),
+        seed=np.array([42], dtype=np.uint64), min_length=np.array([3], dtype=np.int32),
+        streaming=np.array([True]), return_log_probs=np.array([True]),
+        stop_words_list=np.array([[[11, 12, 13], [2, 3, -1]]], dtype=np.int32)),
+        decoupled=True, default_exclude_input=True)
+    [request] = rows
+    assert request.input_token_ids == [5, 6, 7]
+    assert request.max_tokens == 4 and request.end_id == 2 and request.streaming
+    sc = request.sampling_config
+    assert (sc.temperature, sc.top_k, sc.seed, sc.min_tokens) == (pytest.approx(0.7), 5, 42, 3)
+    assert request.stop_words == [[11, 12], [13]]
+    assert request.output_config.exclude_input_from_output and request.output_config.return_log_probs
+    assert options.streaming and options.batch_size == 1
+
+
+def test_batch_rows_become_separate_requests_with_their_own_lengths():
+    inputs = _inputs(input_ids=np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int32),
+                     input_lengths=np.array([[3], [2]], dtype=np.int32),
+                     request_output_len=np.array([[4], [4]], dtype=np.int32))
+    rows, options = convert.request_rows(inputs, decoupled=True, default_exclude_input=False)
+    assert [r.input_token_ids for r in rows] == [[5, 6, 7], [8, 9]]
+    assert options.batch_size == 2
+
+
+@pytest.mark.parametrize("values, decoupled, message", [
+    ({"streaming": np.array([True])}, False, "Streaming is only supported if model is deployed using decoupled mode"),
+    ({"request_output_len": np.array([[0]], dtype=np.int32)}, True, "must be > 0"),
+    ({"input_lengths": np.array([[9]], dtype=np.int32)}, True, "input_lengths is 9"),
+    ({"runtime_top_p": np.array([1.5], dtype=np.float32)}, True, "top_p must be in (0, 1]"),
+    ({"temperature": np.array([-1.0], dtype=np.float32)}, True, "temperature must be >= 0"),
+    ({"runtime_top_k": np.array([-2], dtype=np.int32)}, True, "top_k must be >= 0"),
+    ({"beam_width": np.array([4], dtype=np.int32)}, True, "beam_width must be 1"),
+    ({"stop_words_list": np.array([[[11, 12], [5, -1]]], dtype=np.int32)}, True, "offsets past the end"),
+])
+def test_bad_tensors_raise_a_clear_request_error(values, decoupled, message):
+    with pytest.raises(RequestError, match=None) as info:
+        convert.request_rows(_inputs(**values), decoupled=decoupled, default_exclude_input=False)
+    assert message in str(info.value)
+
+
+def test_missing_input_ids_and_batch_without_decoupled():
+    inputs = _inputs()
+    del inputs["input_ids"]
+    with pytest.raises(RequestError, match="A value is required for input_ids"):
+        convert.request_rows(inputs, decoupled=True, default_exclude_input=False)
+    batch = _inputs(input_ids=np.zeros((2, 3), dtype=np.int32), input_lengths=np.array([[3], [3]]))
+    with pytest.raises(RequestError, match="decoupled"):
+        convert.request_rows(batch, decoupled=False, default_exclude_input=False)
+
+
+def test_streamed_responses_carry_the_preceding_tokens_as_context():
+    options = convert.RequestOptions(streaming=True, return_log_probs=True, batch_size=2)
+    row = convert.RowState(batch_index=1, options=options, request_key=9)
+    sent = []
+    for chunk in ([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]):
+        result = Result(output_token_ids=[chunk], log_probs=[[-0.5] * len(chunk)], cum_log_probs=[-1.0])
+        sent.append(convert.response_tensors(Response(1, result), row))
+    assert sent[0]["stream_context_ids"].shape == (1, 1, 0)
+    assert sent[1]["stream_context_ids"].reshape(-1).tolist() == [1, 2, 3]
+    assert sent[2]["stream_context_ids"].reshape(-1).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert sent[2]["output_ids"].shape == (1, 1, 1)
+    assert sent[2]["batch_index"].item() == 1 and sent[2]["request_key"].item() == 9
+    assert sent[1]["output_log_probs"].shape == (1, 1, 7)
+
+
+def test_parameters_follow_nvidia_keys_and_ignore_unfilled_templates():
+    config = {"parameters": {
+        "batch_scheduler_policy": {"string_value": "max_utilization"},
+        "enable_kv_cache_reuse": {"string_value": "true"},
+        "max_tokens_in_paged_kv_cache": {"string_value": "${max_tokens_in_paged_kv_cache}"},
+        "kv_cache_free_gpu_mem_fraction": {"string_value": "0.5"},
+        "max_num_sequences": {"string_value": "8"},
+        "dtype": {"string_value": ""},
+    }, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 0}}}
+    values = params.read_parameters(config)
+    assert "max_tokens_in_paged_kv_cache" not in values and "dtype" not in values
+    executor_config = params.executor_config(values, params.queue_size(config))
+    assert executor_config.scheduler_config.capacity_scheduler_policy is CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert executor_config.kv_cache_config.enable_block_reuse
+    assert executor_config.kv_cache_config.free_gpu_memory_fraction == 0.5
+    assert executor_config.max_batch_size == 8 and executor_config.max_queue_size is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("gpt_model_type", "bogus", "Invalid gpt_model_type"),
+    ("batch_scheduler_policy", "fastest", "unknown batch_scheduler_policy"),
+    ("enable_chunked_context", "maybe", "must be true or false"),
+    ("kv_cache_free_gpu_mem_fraction", "1.5", "must be in (0, 1]"),
+    ("max_num_tokens", "lots", "must be an integer"),
+])
+def test_bad_parameters_fail_with_the_key_named(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        params.executor_config({key: value})
+    assert message in str(info.value)
+
+
+def test_builder_fills_every_template_and_parses_as_model_config(tmp_path, smollm2_dir):
+    args = build_repository.parse_args(["--model", str(smollm2_dir), "--out", str(tmp_path / "repo")])
+    out = build_repository.build(tmp_path / "repo", build_repository.values_from_args(args))
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    for model in MODELS:
+        text = (out / model / "config.pbtxt").read_text()
+        assert "${" not in text
+        config = text_format.Parse(text, model_config_pb2.ModelConfig())
+        assert config.name == model
+    assert (out / "ensemble" / "1").is_dir()
+
+
+def test_builder_names_a_placeholder_left_unfilled(tmp_path, smollm2_dir):
+    args = build_repository.parse_args(["--model", str(smollm2_dir), "--out", str(tmp_path / "repo")])
+    values = build_repository.values_from_args(args)
+    del values["decoupled_mode"]
+    with pytest.raises(build_repository.BuildError, match=r"\$\{decoupled_mode\}"):
+        build_repository.build(tmp_path / "repo", values)
+
+
+def test_cancel_key_prefix_round_trips():
+    assert int(f"{CANCEL_KEY_PREFIX}17"[len(CANCEL_KEY_PREFIX):]) == 17
+    assert FinishReason.CANCELLED.name == "CANCELLED"

@@ -69,6 +69,10 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, row: int, cast, check=None
     return result
 
 
+def _default(value, default):
+    return default if value is None else value
+
+
 def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:
     return bool(_scalar(inputs, "stop", 0, bool) or False)
 
@@ -120,7 +124,7 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
         min_tokens = _scalar(inputs, "min_length", row, int)
     top_p = _scalar(inputs, "runtime_top_p", row, float)
     sampling = SamplingConfig(
-        beam_width=_scalar(inputs, "beam_width", row, int) or 1,
+        beam_width=_default(_scalar(inputs, "beam_width", row, int), 1),
         num_return_sequences=_scalar(inputs, "num_return_sequences", row, int),
         top_k=_scalar(inputs, "runtime_top_k", row, int),
         top_p=top_p,

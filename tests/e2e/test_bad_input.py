@@ -1,0 +1,141 @@
+"""Table-driven bad input, through the ensemble and straight to `tensorrt_llm`.
+
+Each case must get one clear error naming the input and the rule, while good streams running
+at the same time complete intact and unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+GOOD = {"text_input": "What is the capital of France?", "max_tokens": 24, "stream": True,
+        "apply_chat_template": True}
+LONG_PROMPT = "word " * 9000  # more tokens than SmolLM2's 8192-token context
+
+
+def _i32(*values):
+    return np.array([list(values)], dtype=np.int32)
+
+
+ENSEMBLE_CASES = [
+    ("max_tokens zero", {"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
+    ("max_tokens negative", {"text_input": "Hi", "max_tokens": -5}, "max_tokens must be > 0"),
+    ("max_tokens over the context", {"text_input": "Hi", "max_tokens": 100000},
+     "exceeds the maximum sequence length"),
+    ("max_tokens as FP32", {"text_input": "Hi", "max_tokens": np.array([[3.0]], dtype=np.float32)},
+     "data-type is 'FP32', but model 'ensemble' expects 'INT32'"),
+    ("text_input as INT32", {"text_input": _i32(3), "max_tokens": 4},
+     "data-type is 'INT32', but model 'ensemble' expects 'BYTES'"),
+    ("empty prompt", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
+    ("invalid UTF-8", {"text_input": b"\xff\xfe bad", "max_tokens": 4}, "text_input is not valid UTF-8"),
+    ("prompt longer than the context", {"text_input": LONG_PROMPT, "max_tokens": 4},
+     "exceeds the model's maximum sequence length"),
+    ("top_p above 1", {"text_input": "Hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ("top_p zero", {"text_input": "Hi", "max_tokens": 4, "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ("negative temperature", {"text_input": "Hi", "max_tokens": 4, "temperature": -0.5},
+     "temperature must be >= 0"),
+    ("negative top_k", {"text_input": "Hi", "max_tokens": 4, "top_k": -1}, "top_k must be >= 0"),
+    ("beam_width 2", {"text_input": "Hi", "max_tokens": 4, "beam_width": 2}, "beam_width must be 1"),
+    ("beam_width 0", {"text_input": "Hi", "max_tokens": 4, "beam_width": 0}, "beam_width must be 1"),
+    ("repetition_penalty 0", {"text_input": "Hi", "max_tokens": 4, "repetition_penalty": 0.0},
+     "repetition_penalty must be > 0"),
+    ("negative min_tokens", {"text_input": "Hi", "max_tokens": 4, "min_tokens": -1},
+     "min_tokens must be >= 0"),
+    ("num_return_sequences 2", {"text_input": "Hi", "max_tokens": 4, "num_return_sequences": 2},
+     "num_return_sequences must be 1"),
+    ("unknown input", {"text_input": "Hi", "max_tokens": 4, "bogus": 1}, "unexpected inference input 'bogus'"),
+    ("stop_words as INT32", {"text_input": "Hi", "max_tokens": 4, "stop_words": _i32(5)},
+     "data-type is 'INT32', but model 'ensemble' expects 'BYTES'"),
+    ("bias words without weights", {"text_input": "Hi", "max_tokens": 4, "embedding_bias_words": ["a"]},
+     "embedding_bias_words has 1 entries but embedding_bias_weights has 0"),
+    ("bias weights mismatch", {"text_input": "Hi", "max_tokens": 4, "embedding_bias_words": ["a", "b"],
+                               "embedding_bias_weights": np.array([[1.0]], dtype=np.float32)},
+     "embedding_bias_words has 2 entries but embedding_bias_weights has 1"),
+    ("end_id outside the vocabulary", {"text_input": "Hi", "max_tokens": 4, "end_id": 10**6},
+     "end_id 1000000 is outside the vocabulary"),
+    ("huge batch dimension", {"text_input": np.array([[b"Hi"]] * 1000, dtype=object),
+                              "max_tokens": np.full((1000, 1), 4, dtype=np.int32),
+                              "stream": np.zeros((1000, 1), dtype=np.bool_)},
+     "batch-size must be <= 64"),
+    ("two prompts in one row", {"text_input": np.array([[b"a", b"b"]], dtype=object), "max_tokens": 4},
+     "unexpected shape for input 'text_input'"),
+    ("return_log_probs as INT32", {"text_input": "Hi", "max_tokens": 4, "return_log_probs": _i32(1)},
+     "data-type is 'INT32', but model 'ensemble' expects 'BOOL'"),
+]
+
+ENGINE_BASE = {"input_ids": _i32(1, 2, 3), "input_lengths": _i32(3), "request_output_len": _i32(4)}
+ENGINE_CASES = [
+    ("input_ids missing", {"input_lengths": _i32(3), "request_output_len": _i32(4)},
+     "A value is required for input_ids"),
+    ("input_lengths past the ids", {**ENGINE_BASE, "input_lengths": _i32(7)}, "input_lengths is 7"),
+    ("request_output_len zero", {**ENGINE_BASE, "request_output_len": _i32(0)}, "must be > 0"),
+    ("token id outside the vocabulary", {**ENGINE_BASE, "input_ids": _i32(1, 99999, 3)},
+     "outside the vocabulary of 49152 tokens"),
+    ("stop words offsets past the end", {**ENGINE_BASE, "stop_words_list":
+                                         np.array([[[5, 6], [4, -1]]], dtype=np.int32)},
+     "offsets past the end"),
+    ("bad words offsets decreasing", {**ENGINE_BASE, "bad_words_list":
+                                      np.array([[[5, 6, 7], [2, 1, -1]]], dtype=np.int32)},
+     "offsets must be strictly increasing"),
+    ("embedding bias of the wrong size", {**ENGINE_BASE, "embedding_bias":
+                                          np.ones((1, 5), dtype=np.float32)},
+     "embedding_bias has 5 entries; expected 49152"),
+    ("stop request without an id", {**ENGINE_BASE, "stop": np.array([[True]])},
+     "A request id must be provided for request cancellation"),
+    ("seed as FP32", {**ENGINE_BASE, "seed": np.array([[1.0]], dtype=np.float32)},
+     "data-type is 'FP32', but model 'tensorrt_llm' expects 'UINT64'"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_reference(server):
+    result = server.stream(GOOD)
+    assert result.error is None and "Paris" in result.text
+    return result.text
+
+
+def _check_good_streams_survive(server, good_reference, send_bad):
+    results = {}
+
+    def good(i):
+        results[i] = server.stream(GOOD)
+
+    threads = [threading.Thread(target=good, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    send_bad()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 3
+    for result in results.values():
+        assert result.error is None and result.text == good_reference
+
+
+@pytest.mark.parametrize("name, values, message", ENSEMBLE_CASES, ids=[c[0] for c in ENSEMBLE_CASES])
+def test_bad_ensemble_input(server, good_reference, name, values, message):
+    def send_bad():
+        result = server.stream({"stream": False, **values})
+        assert result.error is not None, f"{name}: no error"
+        assert message in result.error, result.error
+
+    _check_good_streams_survive(server, good_reference, send_bad)
+
+
+@pytest.mark.parametrize("name, values, message", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_bad_engine_input(server, good_reference, name, values, message):
+    def send_bad():
+        result = server.stream(values, model="tensorrt_llm")
+        assert result.error is not None, f"{name}: no error"
+        assert message in result.error, result.error
+
+    _check_good_streams_survive(server, good_reference, send_bad)
+
+
+def test_engine_is_idle_after_the_bad_inputs(server):
+    metrics = server.wait_idle()
+    assert metrics[("nv_trt_llm_request_metrics", "active")] == 0

@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM
-from inflight.executor.types import FinishReason, RequestError
+from inflight.executor.types import FinishReason, QueueFullError, RequestError
 from inflight.triton import convert, metrics, params
 from inflight.triton.backend import create_executor
 from preprocessing.errors import InputError
@@ -86,6 +86,8 @@ class TritonPythonModel:
                         self.by_executor_id[executor_id] = pending
                     self.by_user_id.setdefault(pending.user_id, set()).add(pending)
                     self.by_key[pending.key] = pending
+            except QueueFullError as exc:
+                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
             except (RequestError, InputError) as exc:
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
             except Exception as exc:  # keep serving the other requests of this batch

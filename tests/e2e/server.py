@@ -203,3 +203,7 @@ def running_server(model_dir: Path, work_dir: Path, **build_values):
     finally:
         launch_triton_server.stop(process)
         shutil.rmtree(scratch, ignore_errors=True)
+    # At shutdown Triton lists requests that never finished: none may be left behind.
+    leaked = re.findall(r"has ([1-9]\d*) in-flight inferences", log_file.read_text(errors="replace"))
+    if leaked:
+        raise AssertionError(f"{leaked[0]} requests were still in flight at shutdown (see {log_file})")

@@ -31,12 +31,16 @@ class Pending:
     """One Triton request in flight."""
 
     sender: object
-    request: object
     user_id: str
     key: int
     rows: dict = field(default_factory=dict)  # executor id -> convert.RowState
     num_open_rows: int = 0
     is_client_cancelled: bool = False
+    # Triton frees the response sender once the final flag is sent; touching it afterwards
+    # (even is_cancelled()) crashes the server. `lock` orders sends and checks; `is_done` is
+    # set, under it, before the final send.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    is_done: bool = False
 
 
 class TritonPythonModel:
@@ -77,7 +81,7 @@ class TritonPythonModel:
                     self._stop(request, sender)
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input)
-                pending = Pending(sender, request, request.request_id(), next(self.keys),
+                pending = Pending(sender, request.request_id(), next(self.keys),
                                   num_open_rows=len(rows))
                 with self.lock:
                     ids = self.executor.enqueue_requests(rows)
@@ -143,15 +147,23 @@ class TritonPythonModel:
                 self._send(pending, response, is_last)
 
     def _send(self, pending, response, is_last):
+        with pending.lock:
+            if pending.is_done:
+                return
+            pending.is_done = is_last
+            self._send_locked(pending, response, is_last)
+
+    def _send_locked(self, pending, response, is_last):
         flags = FINAL if is_last else 0
         try:
             if response.has_error():
                 error = pb_utils.TritonError(response.error_msg, pb_utils.TritonError.INTERNAL)
                 pending.sender.send(pb_utils.InferenceResponse(error=error), flags=flags)
             elif pending.is_client_cancelled and response.result.finish_reasons[0] is FinishReason.CANCELLED:
+                # Nobody listens any more. A flags-only final lets an enclosing ensemble finish
+                # (an error response here left some ensemble requests in flight for ever).
                 if is_last:
-                    error = pb_utils.TritonError("Request was cancelled", pb_utils.TritonError.CANCELLED)
-                    pending.sender.send(pb_utils.InferenceResponse(error=error), flags=flags)
+                    pending.sender.send(flags=flags)
             else:
                 tensors = convert.response_tensors(response, pending.rows[response.request_id])
                 out = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
@@ -180,10 +192,11 @@ class TritonPythonModel:
             with self.lock:
                 live = set(self.by_executor_id.values())
             for pending in live:
+                with pending.lock:
+                    if pending.is_done or pending.is_client_cancelled:
+                        continue
+                    pending.is_client_cancelled = pending.sender.is_cancelled()
                 if pending.is_client_cancelled:
-                    continue
-                if pending.request.is_cancelled() or pending.sender.is_cancelled():
-                    pending.is_client_cancelled = True
                     self._cancel(pending)
 
     def _create_metrics(self, model_name, model_version):

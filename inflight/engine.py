@@ -27,6 +27,10 @@ from inflight.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (its device state is broken); the executor stops for good."""
+
+
 @dataclass(eq=False)
 class RequestState:
     """Everything the engine keeps about one live request besides its `Sequence`."""
@@ -167,6 +171,8 @@ class LLMEngine:
             output = self.worker.execute(batch, [self._sampling_row(st) for st in states],
                                          [st.request.logits_processor for st in states],
                                          [st.request_id for st in states])
+        except EngineFatalError:
+            raise
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step %d failed", self.iteration)
             return self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")

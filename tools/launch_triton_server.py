@@ -73,6 +73,9 @@ def server_command(args, backend_dir: Path | None) -> list[str]:
            f"--http-address={args.host}", f"--grpc-address={args.host}",
            f"--metrics-address={args.host}",
            "--disable-auto-complete-config",
+           # Explicit control with everything loaded behaves like the default mode, and lets a
+           # model whose engine died unload itself so its readiness endpoint says so.
+           "--model-control-mode=explicit", "--load-model=*",
            "--backend-config=python,shm-region-prefix-name=" + args.shm_prefix,
            f"--log-verbose={args.log_verbose}"]
     if backend_dir is not None:
@@ -98,13 +101,13 @@ def wait_ready(process: subprocess.Popen, host: str, http_port: int, timeout_s: 
     raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
 
-def launch(args) -> tuple[subprocess.Popen, Path]:
+def launch(args, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """Start the server; returns it and the scratch directory to remove after it stops."""
     work_dir = Path(tempfile.mkdtemp(prefix="triton-launch-"))
     backend_dir = None if args.tritonserver else python_backend_dir(work_dir)
     cmd = server_command(args, backend_dir)
     log = open(args.log_file, "ab") if args.log_file else None
-    process = subprocess.Popen(cmd, env=server_env(), start_new_session=True,
+    process = subprocess.Popen(cmd, env={**server_env(), **(extra_env or {})}, start_new_session=True,
                                stdout=log or None, stderr=subprocess.STDOUT if log else None)
     return process, work_dir
 

@@ -179,7 +179,7 @@ def collect(results: queue.Queue, timeout_s: float = 120) -> StreamResult:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, work_dir: Path, **build_values):
+def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None = None, **build_values):
     """Build a repository for `model_dir` under `work_dir` and serve it until the block ends."""
     args = build_repository.parse_args(["--model", str(model_dir), "--out", str(work_dir / "repo"),
                                         "--force"])
@@ -192,7 +192,7 @@ def running_server(model_dir: Path, work_dir: Path, **build_values):
         "--model_repo", str(work_dir / "repo"), "--http_port", str(http_port),
         "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
         "--log-file", str(log_file), "--shm_prefix", f"inflighttest{http_port}_"])
-    process, scratch = launch_triton_server.launch(launch_args)
+    process, scratch = launch_triton_server.launch(launch_args, env)
     server = Server(http_port, grpc_port, metrics_port, log_file)
     try:
         try:

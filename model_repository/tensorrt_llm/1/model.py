@@ -11,6 +11,7 @@ responses and sends them (the final flag rides on the last one); one thread poll
 
 import itertools
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 
 from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
-from inflight.triton import convert, metrics, params
+from inflight.triton import convert, faults, metrics, params
 from inflight.triton.backend import create_executor
 from preprocessing.errors import InputError
 
@@ -59,6 +60,9 @@ class TritonPythonModel:
                                             values["gpt_model_path"], config)
         except RuntimeError as exc:  # one clear sentence, not a traceback
             raise pb_utils.TritonModelException(str(exc)) from None
+        faults.install_test_hook(self.executor, os.environ.get(faults.ENV_VAR))
+        self.model_name = args["model_name"]
+        self.is_unloading = False
         self.lock = threading.Lock()
         self.by_executor_id = {}  # executor id -> Pending
         self.by_user_id = {}  # client request id -> set of Pending
@@ -79,6 +83,10 @@ class TritonPythonModel:
                 inputs = self._inputs(request)
                 if convert.is_stop_request(inputs):
                     self._stop(request, sender)
+                    continue
+                if not self.executor.can_enqueue_requests():
+                    self._send_error(sender, "the engine has stopped and the model is being unloaded; "
+                                     "see the server log", pb_utils.TritonError.UNAVAILABLE)
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input)
                 pending = Pending(sender, request.request_id(), next(self.keys),
@@ -225,11 +233,27 @@ class TritonPythonModel:
             self.histograms["nv_llm_input_token_len"].observe(result.num_input_tokens)
             self.histograms["nv_llm_output_token_len"].observe(result.num_output_tokens)
 
+    def _unload_if_dead(self):
+        """A dead engine must not look ready: unload this model (and the ensemble using it)."""
+        if self.is_unloading or self.executor.can_enqueue_requests():
+            return
+        self.is_unloading = True
+        pb_utils.Logger.log_error(f"{self.model_name}: the engine stopped; unloading the model")
+
+        def unload():
+            try:
+                pb_utils.unload_model(self.model_name, unload_dependents=True)
+            except Exception as exc:  # only possible with --model-control-mode=explicit
+                pb_utils.Logger.log_error(f"could not unload {self.model_name}: {exc}")
+
+        threading.Thread(target=unload, daemon=True).start()
+
     def _stats_loop(self):
         stopped = threading.Event()
         while self.running and not stopped.wait(self.stats_period_s):
+            self._unload_if_dead()
             if not self.gauges:
-                return
+                continue
             stats = self.executor.get_latest_iteration_stats()
             latest = stats[-1] if stats else self.executor.get_current_stats()
             for (family_name, label), value in metrics.gauge_values(latest).items():

@@ -44,6 +44,9 @@ DEFAULTS = {
     "max_num_sequences": "64",
     "max_num_tokens": "8192",
     "max_seq_len": "",
+    # Per-request limits (prompt tokens, max_tokens); unset: only the model's context bounds them.
+    "max_input_len": "",
+    "max_output_len": "",
     "dtype": "auto",
     "device": "auto",
     "batch_scheduler_policy": "guaranteed_no_evict",

@@ -33,6 +33,14 @@ class RequestOptions:
     return_num_output_tokens: bool = False
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """Operator limits from the model parameters; None means "no limit beyond the model's"."""
+
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+
+
 @dataclass
 class RowState:
     """One batch row of a Triton request = one executor request."""
@@ -77,8 +85,8 @@ def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:
     return bool(_scalar(inputs, "stop", 0, bool) or False)
 
 
-def request_rows(inputs: dict[str, np.ndarray], decoupled: bool,
-                 default_exclude_input: bool) -> tuple[list[Request], RequestOptions]:
+def request_rows(inputs: dict[str, np.ndarray], decoupled: bool, default_exclude_input: bool,
+                 limits: RequestLimits = RequestLimits()) -> tuple[list[Request], RequestOptions]:
     """Convert one Triton request into executor requests, one per batch row.
 
     Raises RequestError / InputError with a sentence naming the input and the rule.
@@ -104,11 +112,12 @@ def request_rows(inputs: dict[str, np.ndarray], decoupled: bool,
         return_num_input_tokens=bool(_scalar(inputs, "return_num_input_tokens", 0, bool) or False),
         return_num_output_tokens=bool(_scalar(inputs, "return_num_output_tokens", 0, bool) or False),
     )
-    requests = [_row_request(inputs, input_ids, row, options) for row in range(batch_size)]
+    requests = [_row_request(inputs, input_ids, row, options, limits) for row in range(batch_size)]
     return requests, options
 
 
-def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOptions) -> Request:
+def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOptions,
+                 limits: RequestLimits) -> Request:
     length = _scalar(inputs, "input_lengths", row, int)
     if length is None:
         raise RequestError("A value is required for input_lengths")
@@ -119,6 +128,12 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
         raise RequestError("request_output_len is not present in the request")
     if max_tokens <= 0:
         raise RequestError(f"request_output_len (max_tokens) must be > 0, got {max_tokens}")
+    if limits.max_input_len is not None and length > limits.max_input_len:
+        raise RequestError(f"the prompt has {length} tokens, more than max_input_len "
+                           f"({limits.max_input_len}) allows")
+    if limits.max_output_len is not None and max_tokens > limits.max_output_len:
+        raise RequestError(f"request_output_len (max_tokens) is {max_tokens}, more than "
+                           f"max_output_len ({limits.max_output_len}) allows")
     min_tokens = _scalar(inputs, "min_tokens", row, int)
     if min_tokens is None:
         min_tokens = _scalar(inputs, "min_length", row, int)

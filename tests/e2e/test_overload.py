@@ -15,9 +15,10 @@ QUEUE_FULL = ("Maximum queue size of", "Exceeds maximum queue size")
 
 @pytest.fixture(scope="module")
 def small_server(smollm2_dir, tmp_path_factory):
-    """Not decoupled, 2 sequences in flight, at most 2 waiting."""
+    """Not decoupled, 2 sequences in flight, at most 2 waiting, small request limits."""
     with running_server(smollm2_dir, tmp_path_factory.mktemp("small_server"), decoupled_mode="false",
-                        max_queue_size=2, max_num_sequences=2) as handle:
+                        max_queue_size=2, max_num_sequences=2, max_input_len=64,
+                        max_output_len=32) as handle:
         yield handle
 
 
@@ -52,3 +53,12 @@ def test_a_flood_gets_some_requests_rejected_and_none_lost(small_server):
     ok = small_server.stream({"text_input": "What is the capital of France?", "max_tokens": 16,
                               "stream": False, "apply_chat_template": True})
     assert ok.error is None and "Paris" in ok.text
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"text_input": "word " * 100, "max_tokens": 4}, "more than max_input_len (64) allows"),
+    ({"text_input": "Hi", "max_tokens": 33}, "more than max_output_len (32) allows"),
+])
+def test_operator_limits_are_enforced_with_clear_errors(small_server, values, message):
+    result = small_server.stream({**values, "stream": False})
+    assert result.error is not None and message in result.error, result.error

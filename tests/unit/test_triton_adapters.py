@@ -150,3 +150,12 @@ def test_builder_names_a_placeholder_left_unfilled(tmp_path, smollm2_dir):
 def test_cancel_key_prefix_round_trips():
     assert int(f"{CANCEL_KEY_PREFIX}17"[len(CANCEL_KEY_PREFIX):]) == 17
     assert FinishReason.CANCELLED.name == "CANCELLED"
+
+
+def test_operator_limits_on_prompt_and_output_length():
+    limits = convert.RequestLimits(max_input_len=2, max_output_len=3)
+    with pytest.raises(RequestError, match=r"the prompt has 3 tokens, more than max_input_len \(2\)"):
+        convert.request_rows(_inputs(), True, False, limits)
+    limits = convert.RequestLimits(max_input_len=8, max_output_len=3)
+    with pytest.raises(RequestError, match=r"max_tokens\) is 4, more than max_output_len \(3\)"):
+        convert.request_rows(_inputs(), True, False, limits)

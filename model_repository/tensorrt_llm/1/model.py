@@ -50,6 +50,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         values = params.read_parameters(model_config)
         self.default_exclude_input = params.get_bool(values, "exclude_input_in_output", False)
+        self.limits = convert.RequestLimits(params.get_int(values, "max_input_len", None),
+                                            params.get_int(values, "max_output_len", None))
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
         config = params.executor_config(values, params.queue_size(model_config))
@@ -88,7 +90,8 @@ class TritonPythonModel:
                     self._send_error(sender, "the engine has stopped and the model is being unloaded; "
                                      "see the server log", pb_utils.TritonError.UNAVAILABLE)
                     continue
-                rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input)
+                rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
+                                                     self.limits)
                 pending = Pending(sender, request.request_id(), next(self.keys),
                                   num_open_rows=len(rows))
                 with self.lock:

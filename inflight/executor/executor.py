@@ -152,6 +152,9 @@ class Executor:
                     if stats.iter and self.config.iter_stats_max_iterations:
                         if not self._stats or self._stats[-1].iter != stats.iter:
                             self._stats.append(stats)
+                    if not self.engine.has_unfinished():
+                        # Idle now: the current snapshot shows nothing scheduled.
+                        self.engine.refresh_stats()
         except BaseException as exc:  # the engine cannot continue: fail everything, stop accepting
             logger.exception("executor loop died")
             self._die(f"the engine stopped: {type(exc).__name__}: {exc}")

@@ -1,0 +1,25 @@
+"""A one-minute soak with perf_analyzer at concurrency 32 (the 10-minute one: tools/soak.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.e2e.server import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import soak  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def test_one_minute_soak(server):
+    report = soak.run_soak(server.grpc_url, f"127.0.0.1:{server.metrics_port}", duration_s=60,
+                           concurrency=32, warmup_s=10)
+    print("\n".join(report.lines()))
+    assert report.requests > 0
+    assert report.errors == 0
+    assert report.kv_free == report.kv_max
+    # Other servers on the machine would count too; tests run one at a time, so this is ours.
+    assert report.rss_growth < 0.05

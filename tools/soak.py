@@ -1,0 +1,135 @@
+"""Soak test: perf_analyzer drives the streaming ensemble at a fixed concurrency for a while.
+
+    python tools/soak.py --duration-s 600 --concurrency 32      # starts its own server
+    python tools/soak.py --duration-s 60 --metrics-url 127.0.0.1:8002 --grpc-url 127.0.0.1:8001
+
+Prints the requests served, the errors (must be 0), the server's resident memory (tritonserver
+and its python stubs) at the start and end of the load, and the KV blocks free at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+
+@dataclass
+class SoakReport:
+    requests: int
+    errors: int
+    rss_start_mib: float
+    rss_end_mib: float
+    kv_free: float
+    kv_max: float
+    perf_analyzer_rc: int
+
+    @property
+    def rss_growth(self) -> float:
+        return self.rss_end_mib / self.rss_start_mib - 1.0
+
+    def lines(self) -> list[str]:
+        return [f"requests: {self.requests}", f"errors: {self.errors}",
+                f"server RSS: {self.rss_start_mib:.0f} MiB at start, {self.rss_end_mib:.0f} MiB at end "
+                f"({self.rss_growth:+.1%})",
+                f"KV blocks free at the end: {self.kv_free:.0f} of {self.kv_max:.0f}",
+                f"perf_analyzer exit code: {self.perf_analyzer_rc}"]
+
+
+def server_rss_mib() -> float:
+    """Resident memory of every tritonserver and python stub process, in MiB."""
+    total_kib = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if b"bin/tritonserver" in cmdline or b"triton_python_backend_stub" in cmdline:
+                status = (proc / "status").read_text()
+                total_kib += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+        except (OSError, AttributeError):
+            continue
+    return total_kib / 1024
+
+
+def scrape(metrics_url: str) -> str:
+    return urllib.request.urlopen(f"http://{metrics_url}/metrics").read().decode()
+
+
+def metric(text: str, pattern: str) -> float:
+    return sum(float(v) for v in re.findall(pattern + r"\S*\} (\S+)", text))
+
+
+def perf_analyzer_command(grpc_url: str, duration_s: float, concurrency: int) -> list[str]:
+    wrapper = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "perf_analyzer_env.py")],
+                             check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return [wrapper, "-m", "ensemble", "-i", "grpc", "--async", "--streaming", "-u", grpc_url,
+            "--input-data", str(REPO_ROOT / "tools" / "perf_inputs.json"),
+            "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
+            "--measurement-interval", str(int(duration_s * 1000)), "--max-trials", "1",
+            "--stability-percentage", "999"]
+
+
+def run_soak(grpc_url: str, metrics_url: str, duration_s: float, concurrency: int,
+             warmup_s: float = 15) -> SoakReport:
+    """Warm up (so lazily allocated memory is in the baseline), then load for `duration_s`."""
+    subprocess.run(perf_analyzer_command(grpc_url, warmup_s, concurrency), capture_output=True)
+    before = scrape(metrics_url)
+    rss_start = server_rss_mib()
+    cmd = perf_analyzer_command(grpc_url, duration_s, concurrency)
+    print("running:", " ".join(cmd), flush=True)
+    rc = subprocess.run(cmd).returncode
+    deadline = time.monotonic() + 60
+    while True:  # let the last streams finish before reading the end state
+        after = scrape(metrics_url)
+        active = metric(after, r'nv_trt_llm_request_metrics\{[^}]*request_type="active"')
+        if active == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    ensemble = r'nv_inference_request_{}\{{model="ensemble"'
+    return SoakReport(
+        requests=int(metric(after, ensemble.format("success")) - metric(before, ensemble.format("success"))),
+        errors=int(metric(after, ensemble.format("failure")) - metric(before, ensemble.format("failure"))),
+        rss_start_mib=rss_start, rss_end_mib=server_rss_mib(),
+        kv_free=metric(after, r'nv_trt_llm_kv_cache_block_metrics\{[^}]*kv_cache_block_type="free"'),
+        kv_max=metric(after, r'nv_trt_llm_kv_cache_block_metrics\{[^}]*kv_cache_block_type="max"'),
+        perf_analyzer_rc=rc)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=600)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup-s", type=float, default=15)
+    parser.add_argument("--grpc-url", help="use a running server (default: start one)")
+    parser.add_argument("--metrics-url", default="127.0.0.1:8002")
+    parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
+    args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.grpc_url:
+            grpc_url, metrics_url = args.grpc_url, args.metrics_url
+        else:
+            from tests.e2e.server import running_server
+
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            server = stack.enter_context(running_server(Path(args.model), work_dir))
+            grpc_url, metrics_url = server.grpc_url, f"127.0.0.1:{server.metrics_port}"
+        report = run_soak(grpc_url, metrics_url, args.duration_s, args.concurrency, args.warmup_s)
+    print("\n".join(report.lines()))
+    ok = report.errors == 0 and report.rss_growth < 0.05 and report.kv_free == report.kv_max
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

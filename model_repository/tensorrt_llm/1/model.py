@@ -15,7 +15,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM

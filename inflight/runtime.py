@@ -74,22 +74,29 @@ class ModelRunner:
             eos = self.engine.model_config.eos_token_ids
             end_id = eos[0] if eos else None
         ids = []
-        for prompt in prompts:
-            tokens = self._encode(prompt)
-            ids.append(self.engine.add_request(Request(
-                input_token_ids=tokens, max_tokens=max_new_tokens, end_id=end_id,
-                stop_words=stop_words, sampling_config=sampling_config,
-                output_config=OutputConfig(return_log_probs=return_log_probs,
-                                           exclude_input_from_output=True),
-                logits_processor=logits_processor, stopping_criteria=stopping_criteria)))
         finals = {}
-        prompt_ids = {rid: list(self.engine.requests[rid].seq.prompt_token_ids) for rid in ids}
-        while self.engine.has_unfinished():
-            for response in self.engine.step():
-                if response.has_error():
-                    raise RuntimeError(response.error_msg)
-                if response.result.is_final:
-                    finals[response.request_id] = response.result
+        try:
+            for prompt in prompts:
+                tokens = self._encode(prompt)
+                ids.append(self.engine.add_request(Request(
+                    input_token_ids=tokens, max_tokens=max_new_tokens, end_id=end_id,
+                    stop_words=stop_words, sampling_config=sampling_config,
+                    output_config=OutputConfig(return_log_probs=return_log_probs,
+                                               exclude_input_from_output=True),
+                    logits_processor=logits_processor, stopping_criteria=stopping_criteria)))
+            prompt_ids = {rid: list(self.engine.requests[rid].seq.prompt_token_ids) for rid in ids}
+            while self.engine.has_unfinished():
+                for response in self.engine.step():
+                    if response.has_error():
+                        raise RuntimeError(response.error_msg)
+                    if response.result.is_final:
+                        finals[response.request_id] = response.result
+        finally:
+            # A rejected prompt or a failed step must not leave the call's other requests
+            # queued in the engine (holding KV blocks, and run by the next call).
+            for rid in ids:
+                if rid not in finals:
+                    self.engine.cancel(rid)
         outputs = []
         for rid in ids:
             result = finals[rid]

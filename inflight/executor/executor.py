@@ -48,6 +48,8 @@ class Executor:
         self._incoming: list = []  # RequestStates validated by enqueue, admitted by the loop
         self._stats: collections.deque[IterationStats] = collections.deque(
             maxlen=max(1, self.config.iter_stats_max_iterations))
+        # Last iteration published to `_stats`; the deque's tail cannot tell once it is drained.
+        self._last_stats_iter = 0
         self._shutdown = False
         self._fatal_error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="inflight-executor", daemon=True)
@@ -149,9 +151,9 @@ class Executor:
                         self._responses.extend(responses)
                         self._responses_ready.notify_all()
                     stats = self.engine.last_stats
-                    if stats.iter and self.config.iter_stats_max_iterations:
-                        if not self._stats or self._stats[-1].iter != stats.iter:
-                            self._stats.append(stats)
+                    if stats.iter > self._last_stats_iter and self.config.iter_stats_max_iterations:
+                        self._stats.append(stats)
+                        self._last_stats_iter = stats.iter
                     if not self.engine.has_unfinished():
                         # Idle now: the current snapshot shows nothing scheduled.
                         self.engine.refresh_stats()
@@ -172,9 +174,12 @@ class Executor:
     def _die(self, message: str) -> None:
         with self._lock:
             self._fatal_error = message
-            for request_id in list(self.engine.requests):
-                self._responses.append(Response(request_id, error_msg=message))
+            # Requests enqueued while the failing step ran were never admitted; fail them too.
+            for state in [*self.engine.requests.values(), *self._incoming]:
+                self._responses.append(Response(state.request_id, error_msg=message,
+                                                client_id=state.request.client_id))
             self.engine.requests.clear()
+            self._incoming.clear()
             self._responses_ready.notify_all()
 
 

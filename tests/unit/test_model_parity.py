@@ -20,46 +20,17 @@ from inflight.model.attention import AttentionMetadata
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
 from inflight.model.rotary import compute_inv_freq
+from tests.unit.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 ATOL = 1e-4
 
-TINY_COMMON = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                   initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
-
-def _tiny_hf_model(kind: str) -> torch.nn.Module:
-    if kind == "llama3":
-        cfg = transformers.LlamaConfig(**TINY_COMMON, rope_parameters=dict(LLAMA3_ROPE),
-                                       attention_bias=True, mlp_bias=True)
-        cls = transformers.LlamaForCausalLM
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
-        cls = transformers.Qwen2ForCausalLM
-    elif kind == "mistral":
-        cfg = transformers.MistralConfig(**TINY_COMMON, head_dim=32, sliding_window=None)
-        cls = transformers.MistralForCausalLM
-    else:
-        raise AssertionError(kind)
-    torch.manual_seed(1234)
-    model = cls(cfg).eval()
-    with torch.no_grad():  # HF inits biases to 0 and norms to 1; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model
-
-
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=TINY_KINDS)
 def tiny(request, tmp_path_factory):
     """(hf_model, our_model, config) for one tiny architecture."""
-    hf = _tiny_hf_model(request.param)
+    hf = tiny_hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     model, config = load_model(path, torch.float32, "cpu")
@@ -261,7 +232,7 @@ def test_smollm2_config(smollm2_dir):
 
 
 def test_loader_reads_sharded_checkpoint(tmp_path):
-    hf = _tiny_hf_model("qwen2")
+    hf = tiny_hf_model("qwen2")
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     model, config = load_model(tmp_path, torch.float32, "cpu")
@@ -272,7 +243,7 @@ def test_loader_reads_sharded_checkpoint(tmp_path):
 
 
 def test_loader_rejects_missing_and_unexpected(tmp_path):
-    hf = _tiny_hf_model("mistral")
+    hf = tiny_hf_model("mistral")
     hf.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     weights["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)

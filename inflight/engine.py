@@ -212,7 +212,11 @@ class LLMEngine:
                 seq.append_token(token)
                 if log_prob is not None:
                     state.log_probs.append(log_prob)
-                state.finish_reason = self._check_stop(state)
+                try:
+                    state.finish_reason = self._check_stop(state)
+                except Exception as exc:  # a user StoppingCriteria raised: fail that request only
+                    responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
+                    continue
             if state.finish_reason is not FinishReason.NOT_FINISHED:
                 responses.append(self._finish(state))
             elif request.streaming:
@@ -266,12 +270,17 @@ class LLMEngine:
     def _fail(self, batch: SchedulerOutput, message: str) -> list[Response]:
         responses = []
         for item in batch.scheduled:
-            state = self.requests.pop(item.seq.request_id, None)
-            self.scheduler.finish(item.seq)
-            if state is not None:
-                responses.append(Response(state.request_id, error_msg=message,
-                                          client_id=state.request.client_id))
+            state = self.requests.get(item.seq.request_id)
+            if state is None:
+                self.scheduler.finish(item.seq)
+            else:
+                responses.append(self._fail_request(state, message))
         return responses
+
+    def _fail_request(self, state: RequestState, message: str) -> Response:
+        self.requests.pop(state.request_id, None)
+        self.scheduler.finish(state.seq)
+        return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 
     # ----- statistics ----------------------------------------------------------------------
 

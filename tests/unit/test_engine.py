@@ -151,6 +151,18 @@ def test_runner_stopping_criteria(runner, prompts):
     assert token_ids[:-1] in prompts[1:]
 
 
+class RaiseOnCall(StoppingCriteria):
+    def __call__(self, request_id: int, token_ids: list[int]) -> bool:
+        raise ValueError("broken criteria")
+
+
+def test_a_raising_stopping_criteria_fails_only_its_request(runner, prompts):
+    with pytest.raises(RuntimeError, match="stopping criteria failed: broken criteria"):
+        runner.generate(prompts[1:2], max_new_tokens=4, end_id=-1, stopping_criteria=RaiseOnCall())
+    assert runner.engine.block_manager.num_free_blocks == runner.engine.block_manager.num_total_blocks
+    assert runner.generate(prompts[1:2], max_new_tokens=4, end_id=-1)[0].output_token_ids
+
+
 def test_runner_logits_processor(runner, prompts):
     plain = runner.generate(prompts[1:3], max_new_tokens=12, end_id=-1)
     banned = {t for out in plain for t in out.output_token_ids}
@@ -186,3 +198,4 @@ def test_runner_leaves_no_request_behind_on_errors(smol, runner, prompts):
         ModelRunner(runner.engine).generate(["hello"])
     with pytest.raises(TypeError, match="unknown ExecutorConfig fields"):
         ModelRunner.from_dir("unused-dir", max_batch=3)
+

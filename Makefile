@@ -51,5 +51,10 @@ test-e2e: model
 bench: model
 	$(PY) tools/bench_engine.py --model $(MODEL)
 
+# On a CUDA machine that has the model folder (the device machine runs tools/gpu_smoke.sh
+# stage1 + stage2 instead; see that script).
+gpu-smoke: model
+	PYTHON=$(PY) bash tools/gpu_smoke.sh local $(MODEL)
+
 clean:
 	rm -rf build .pytest_cache

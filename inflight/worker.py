@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
 
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import AttentionMetadata
+from inflight.model.attention import AttentionMetadata, to_device
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
 from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
@@ -29,11 +30,30 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _apply_cpu_threads() -> None:
+    """INFLIGHT_NUM_THREADS=N sets torch's intra-op CPU threads (default: torch's own, one per
+    core). On a CPU shared with other busy processes one thread can be several times faster
+    than all cores: OpenMP threads spin at every op's barrier while a sibling is descheduled."""
+    value = os.environ.get("INFLIGHT_NUM_THREADS", "").strip()
+    if not value:
+        return
+    try:
+        num_threads = int(value)
+    except ValueError:
+        raise RuntimeError(f"INFLIGHT_NUM_THREADS must be a positive integer, got '{value}'") from None
+    if num_threads < 1:
+        raise RuntimeError(f"INFLIGHT_NUM_THREADS must be a positive integer, got '{value}'")
+    torch.set_num_threads(num_threads)
+    logger.info("CPU intra-op threads: %d (INFLIGHT_NUM_THREADS)", num_threads)
+
+
 class Worker:
     """Runs the model over one `SchedulerOutput` and samples the next tokens."""
 
     def __init__(self, model_dir: str, config: ExecutorConfig):
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            _apply_cpu_threads()
         model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
@@ -75,24 +95,29 @@ class Worker:
         `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
         """
         input_ids: list[int] = []
-        positions: list[int] = []
-        sample_indices: list[int] = []
-        for item in batch.scheduled:
-            start, end = item.start_position, item.context_len
-            input_ids.extend(item.seq.token_ids[start:end])
-            positions.extend(range(start, end))
+        sampled_rows: list[int] = []
+        for i, item in enumerate(batch.scheduled):
+            input_ids.extend(item.seq.token_ids[item.start_position:item.context_len])
             if item.is_sampled:
-                sample_indices.append(len(input_ids) - 1)
+                sampled_rows.append(i)
         meta = AttentionMetadata.build(
             [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
             self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not sample_indices:
+        # Built on the host and copied without a host sync (torch.tensor(list, device=cuda)
+        # would synchronise); positions come with the metadata.
+        ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)  # [num_tokens]
+        hidden = self.model(ids, meta.positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sampled_rows:
             return SamplerOutput(token_ids=[], log_probs=[])
-        index = torch.tensor(sample_indices, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampled, vocab]
+        if len(sampled_rows) == meta.num_rows:
+            # Every row samples its last token; in a decode-only step that is every token.
+            if meta.num_tokens != meta.num_rows:
+                hidden = hidden.index_select(0, meta.last_token_indices)
+        else:
+            last = [meta.query_start_loc[i + 1] - 1 for i in sampled_rows]
+            hidden = hidden.index_select(0, to_device(torch.tensor(last, dtype=torch.long),
+                                                      self.device))
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         if hooks and any(hooks):
             for i, hook in enumerate(hooks):
                 if hook is not None:

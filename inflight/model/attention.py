@@ -14,7 +14,7 @@ layer's backend call reuses them, so nothing is rebuilt (or synced to the host) 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -56,6 +56,27 @@ class AttentionGroup:
     # position. Padded query slots repeat their row's last query so no softmax row is fully
     # masked (that would be NaN); positions past the row's context are always masked.
     attn_mask: torch.Tensor  # [Bg, 1, Q, L] bool
+    # block_tables flattened row-major ([Bg * L / block_size]): the gather index of the cache.
+    block_ids: torch.Tensor | None = None
+    # attn_mask with each query slot repeated for the q heads sharing a KV head, keyed by that
+    # group size (built on first use, then shared by every layer of the step).
+    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_ids is None:
+            self.block_ids = self.block_tables.reshape(-1)
+
+    def folded_mask(self, group_size: int) -> torch.Tensor:
+        """attn_mask for queries folded as [Bg, Hkv, Q * group_size, D]: [Bg, 1, Q * G, L]."""
+        if self.max_query_len == 1 or group_size == 1:
+            return self.attn_mask  # [Bg, 1, 1 or Q, L] broadcasts over the folded heads
+        mask = self._folded_masks.get(group_size)
+        if mask is None:
+            bg, _, q, length = self.attn_mask.shape
+            mask = (self.attn_mask.unsqueeze(3).expand(bg, 1, q, group_size, length)
+                    .reshape(bg, 1, q * group_size, length))
+            self._folded_masks[group_size] = mask
+        return mask
 
 
 def _build_group(rows: list[Row], row_ids: list[int], token_starts: list[int], block_size: int,
@@ -216,8 +237,9 @@ class TorchPagedAttention(AttentionBackend):
     """Reference backend in plain torch (CPU and CUDA).
 
     Per attention group: gather the rows' whole blocks from the cache into a padded
-    [Bg, Hkv, L, D] batch, scatter the group's queries into a padded [Bg, Hq, Q, D] batch and
-    run one `scaled_dot_product_attention` with the group's boolean mask. Padding only adds
+    [Bg, Hkv, L, D] batch, scatter the group's queries into a padded [Bg, Hkv, Q * G, D] batch
+    (G q heads per KV head folded into the query axis) and run one
+    `scaled_dot_product_attention` with the group's boolean mask. Padding only adds
     exactly-zero softmax weights, so a row's result differs from running it alone by kernel
     tiling (float noise) at most. The cache must hold finite values everywhere (allocate it
     zeroed): masked positions still enter the matmuls, and 0 * NaN is NaN.
@@ -239,34 +261,45 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
                       scale: float) -> torch.Tensor:
-        """q [Tg, Hq, D] -> [Tg, Hq, D] for the rows of `group`."""
+        """q [Tg, Hq, D] -> [Tg, Hq, D] for the rows of `group`.
+
+        GQA without copying K/V per q head: the G = Hq / Hkv q heads that share a KV head are
+        folded into the query-length axis ([Bg, Hkv, Q * G, D]), so one SDPA call reads each
+        cached K/V once (the KV head h serves q heads h * G .. h * G + G - 1, as HF's
+        `repeat_kv`). The fold only reorders rows of the score matrix, so results equal the
+        expanded form up to kernel tiling.
+        """
         num_tokens, num_q_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[3]
-        # [2, Bg, L/bs, bs, Hkv, D] -> [2, Bg, L, Hkv, D]: whole blocks, one gather.
-        kv = kv_cache[:, group.block_tables].flatten(2, 3)
-        key = kv[0].transpose(1, 2).to(q.dtype)  # [Bg, Hkv, L, D]
-        value = kv[1].transpose(1, 2).to(q.dtype)  # [Bg, Hkv, L, D]
-        if num_kv_heads != num_q_heads:
-            # Explicit GQA expansion: CUDA's masked (mem-efficient) SDPA kernel does not take
-            # enable_gqa, and a silent fallback to the math kernel would be far slower.
-            group_size = num_q_heads // num_kv_heads
-            key = key.repeat_interleave(group_size, dim=1)  # [Bg, Hq, L, D]
-            value = value.repeat_interleave(group_size, dim=1)  # [Bg, Hq, L, D]
-
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        group_size = num_q_heads // num_kv_heads
         num_rows, max_query_len = group.num_rows, group.max_query_len
-        if group.padded_query_index is None:
-            # Decode group: one token per row, already in row order.
-            query = q.unsqueeze(2)  # [Bg, Hq, 1, D]
-        else:
-            padded = q.new_zeros(num_rows * max_query_len, num_q_heads, head_dim)
-            padded.index_copy_(0, group.padded_query_index, q)
-            query = padded.view(num_rows, max_query_len, num_q_heads, head_dim).transpose(1, 2)
+        # Whole blocks of the group's rows, K and V in one gather of contiguous block rows:
+        # [2, Bg * L/bs, bs * Hkv * D] -> [2, Bg, L, Hkv, D].
+        kv = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim).index_select(
+            1, group.block_ids).view(2, num_rows, -1, num_kv_heads, head_dim)
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)
+        key = kv[0].transpose(1, 2)  # [Bg, Hkv, L, D] (strided view, no copy)
+        value = kv[1].transpose(1, 2)  # [Bg, Hkv, L, D]
 
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=group.attn_mask,
-                                             scale=scale)  # [Bg, Hq, Q, D]
         if group.padded_query_index is None:
-            return out.squeeze(2)  # [Tg, Hq, D]
-        out = out.transpose(1, 2).reshape(num_rows * max_query_len, num_q_heads, head_dim)
+            # Decode group: one token per row, already in row order; [Bg, Hkv, G, D].
+            query = q.reshape(num_rows, num_kv_heads, group_size, head_dim)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=group.attn_mask,
+                                                 scale=scale)  # [Bg, Hkv, G, D]
+            return out.reshape(num_tokens, num_q_heads, head_dim)
+
+        padded = q.new_zeros(num_rows * max_query_len, num_q_heads, head_dim)
+        padded.index_copy_(0, group.padded_query_index, q)
+        # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, Q * G, D]
+        query = (padded.view(num_rows, max_query_len, num_kv_heads, group_size, head_dim)
+                 .transpose(1, 2).reshape(num_rows, num_kv_heads, max_query_len * group_size,
+                                          head_dim))
+        out = F.scaled_dot_product_attention(query, key, value,
+                                             attn_mask=group.folded_mask(group_size),
+                                             scale=scale)  # [Bg, Hkv, Q * G, D]
+        out = (out.view(num_rows, num_kv_heads, max_query_len, group_size, head_dim)
+               .transpose(1, 2).reshape(num_rows * max_query_len, num_q_heads, head_dim))
         return out.index_select(0, group.padded_query_index)  # [Tg, Hq, D]
 
 

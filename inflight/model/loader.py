@@ -56,6 +56,19 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
+def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast and moved, in memory of its own.
+
+    safetensors hands out CPU tensors backed by the file's mmap; when the cast and the move
+    are no-ops (a bf16 checkpoint loaded as bf16 on the CPU) the weights would stay file
+    pages (evictable, re-read from disk, and not aligned for vector loads), so copy them.
+    """
+    out = tensor.to(device=device, dtype=dtype)
+    if out.data_ptr() == tensor.data_ptr():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous()
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype,
                device: torch.device | str) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
@@ -86,7 +99,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
                 if tensor.shape != expected[name]:
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {path.name}, "
                                      f"expected {tuple(expected[name])} from config.json")
-                _set_tensor(model, name, tensor.to(device=device, dtype=dtype))
+                _set_tensor(model, name, _owned(tensor, device, dtype))
                 loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "
@@ -100,9 +113,30 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
                          + (" ..." if len(missing) > 10 else ""))
+    if device.type == "cpu" and dtype == torch.float32:
+        _use_cpu_gemm_layout(model)
     model.model.rotary_emb.reset_cache(device)
     model.eval()
     return model, config
+
+
+def _use_cpu_gemm_layout(model: LlamaForCausalLM) -> None:
+    """Stores each decoder projection's fp32 weight transposed in memory (column-major).
+
+    `F.linear(x, W)` computes x @ W^T. With W row-major that is MKL's "NT" sgemm; with W's
+    storage transposed it is the "NN" kernel, which on the AVX-512 CPUs measured here is
+    about 20 % faster for the 2..64-row products of batched decode (same speed at one row).
+    Only the layout changes: names, shapes ([out, in]) and values are HF's, so
+    `named_parameters`/`state_dict` compare equal to the checkpoint (`.contiguous()` gives the
+    row-major copy back, e.g. before `safetensors.save_file`). The tied embedding / LM head
+    stays row-major (embedding lookups read rows).
+    """
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                       layer.mlp.down_proj):
+            weight = linear.weight.detach()
+            linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

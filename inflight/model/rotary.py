@@ -93,6 +93,13 @@ class RotaryEmbedding(nn.Module):
         # [T, 1, head_dim] so they broadcast over heads of [T, H, head_dim].
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
+    def cos_sin_signed(self, positions: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` with the first half of sin negated, for `apply_rotary_signed`."""
+        cos, sin = self.cos_sin(positions, dtype)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -102,3 +109,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates `x` [T, H, head_dim] by cos/sin [T, 1, head_dim] (neox layout)."""
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` with sin from `cos_sin_signed`: the same values bit for bit, in fewer ops.
+
+    rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2] = roll(x) * sin_signed
+    (negation is exact), so one roll replaces HF's slice/neg/cat.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed

@@ -159,3 +159,15 @@ def test_operator_limits_on_prompt_and_output_length():
     limits = convert.RequestLimits(max_input_len=8, max_output_len=3)
     with pytest.raises(RequestError, match=r"max_tokens\) is 4, more than max_output_len \(3\)"):
         convert.request_rows(_inputs(), True, False, limits)
+
+
+def test_tensorrtllm_backend_without_the_package_fails_with_one_clear_sentence():
+    from inflight.triton.backend import BackendUnavailable, create_executor
+
+    with pytest.raises(BackendUnavailable) as info:
+        create_executor("tensorrtllm", "unused", params.executor_config({}))
+    assert str(info.value) == ("executor_backend is 'tensorrtllm' but the tensorrt_llm package is not "
+                               "installed; install TensorRT-LLM or set the executor_backend parameter "
+                               "to 'builtin'")
+    with pytest.raises(BackendUnavailable, match="unknown executor_backend 'vllm'"):
+        create_executor("vllm", "unused", params.executor_config({}))

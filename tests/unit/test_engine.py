@@ -17,23 +17,14 @@ from inflight.executor.types import FinishReason, RequestError
 from inflight.runtime import LogitsProcessor, ModelRunner, StoppingCriteria
 from tests.unit.checkpoints import TINY_KINDS, save_tiny_checkpoint
 from tests.unit.engine_utils import (assert_kv_idle, final, gen_request, hf_greedy, make_engine,
-                                     output_tokens, run, shared_weights, single_thread)
+                                     output_tokens, run)
 
 NUM_NEW = 24
 EOS = 2  # SmolLM2's <|im_end|> (its only eos id)
 PLAIN_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_dir):
-    with shared_weights():
-        yield smollm2_dir
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import transformers
 from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
 from inflight.executor.types import FinishReason, Request, SamplingConfig
 from tests.unit.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
-                                     output_tokens, run, shared_weights, single_thread)
+                                     output_tokens, run)
 
 NUM_NEW = 16
 TEXTS = [
@@ -43,16 +43,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_dir):
-    with shared_weights():
-        yield smollm2_dir
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

@@ -14,26 +14,13 @@ import pytest
 from inflight.executor.config import (CapacitySchedulerPolicy, ConfigError, ExecutorConfig, KvCacheConfig,
                                       SchedulerConfig)
 from inflight.executor.types import OutputConfig, QueueFullError, Request, RequestError, SamplingConfig
-from tests.unit.checkpoints import save_tiny_checkpoint
-from tests.unit.engine_utils import (assert_kv_idle, make_engine, output_tokens, run, shared_weights,
-                                     single_thread)
+from tests.unit.engine_utils import (assert_kv_idle, make_engine, output_tokens, run)
 
 VOCAB = 500  # the tiny checkpoint's
 KV_FRACTION_RULE = r"kv_cache_free_gpu_mem_fraction must be in \(0, 1\]"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3")
-    save_tiny_checkpoint("llama3", path)
-    with shared_weights():
-        yield path
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.mark.parametrize("make, message", [

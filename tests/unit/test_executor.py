@@ -16,26 +16,13 @@ from inflight.engine import EngineFatalError
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.executor import Executor
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from tests.unit.checkpoints import save_tiny_checkpoint
-from tests.unit.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run, shared_weights,
-                                     single_thread)
+from tests.unit.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
 
 PROMPTS = [[1, 17, 250, 33], [1, 5], list(range(3, 30)), [7, 300, 301, 7, 300, 9, 9]]
 NUM_NEW = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3")
-    save_tiny_checkpoint("llama3", path)
-    with shared_weights():
-        yield path
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,6 @@ def measure_bandwidth(device: torch.device) -> tuple[float, float]:
 
     read = src.numel() * 4 / best_of(lambda: src.sum()) / 1e9
     copy = 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src)) / 1e9
-    del src, dst
     return read, copy
 
 

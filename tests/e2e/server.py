@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -70,6 +71,27 @@ class Server:
                 category = [v for k, v in labels.items() if k not in ("model", "version")][0]
                 values[(match.group(1), category)] = float(match.group(3))
         return values
+
+    @contextlib.contextmanager
+    def peak_metrics(self, period_s: float = 0.05):
+        """Yields a dict that holds, when the block ends, the highest value of every gauge seen
+        while it ran (sampled every `period_s`)."""
+        peak: dict[tuple[str, str], float] = {}
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                for key, value in self.metrics().items():
+                    peak[key] = max(peak.get(key, value), value)
+                time.sleep(period_s)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            yield peak
+        finally:
+            done.set()
+            watcher.join()
 
     def wait_idle(self, timeout_s: float = 30) -> dict:
         """Wait until the engine holds no request and every KV block is free."""

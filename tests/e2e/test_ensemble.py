@@ -87,35 +87,22 @@ def test_http_generate_and_generate_stream(server):
 def test_concurrent_streams_share_engine_steps(server):
     prompts = [f"Tell me a short fact about the number {i}." for i in range(8)]
     results: dict[int, object] = {}
-    peak = {"scheduled": 0, "generation": 0}
-    done = threading.Event()
-
-    def watch_metrics():
-        while not done.is_set():
-            m = server.metrics()
-            peak["scheduled"] = max(peak["scheduled"], m.get(("nv_trt_llm_request_metrics", "scheduled"), 0))
-            peak["generation"] = max(peak["generation"],
-                                     m.get(("nv_trt_llm_inflight_batcher_metrics", "generation_requests"), 0))
-            time.sleep(0.05)
 
     def run(i):
         results[i] = server.stream({"text_input": prompts[i], "max_tokens": 32, "stream": True, **CHAT})
 
-    watcher = threading.Thread(target=watch_metrics)
-    watcher.start()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    done.set()
-    watcher.join()
+    with server.peak_metrics() as peak:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
     assert sorted(results) == list(range(8))
     for result in results.values():
         assert result.error is None and result.text
     # In-flight batching: requests were computed in the same steps, not one after another.
-    assert peak["scheduled"] >= 4, peak
-    assert peak["generation"] >= 4, peak
+    assert peak[("nv_trt_llm_request_metrics", "scheduled")] >= 4, peak
+    assert peak[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] >= 4, peak
     server.wait_idle()
 
 

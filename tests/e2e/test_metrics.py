@@ -21,26 +21,14 @@ def _histogram_counts(server) -> dict[str, float]:
 def test_metrics_follow_the_load_and_return_to_idle(server):
     idle = server.wait_idle()
     counts_before = _histogram_counts(server)
-    peak: dict[tuple[str, str], float] = {}
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            for key, value in server.metrics().items():
-                peak[key] = max(peak.get(key, value), value)
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=server.stream, args=({
-        "text_input": f"Describe the colour number {i} in detail.", "max_tokens": 40, "stream": True,
-        "apply_chat_template": True},)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    done.set()
-    watcher.join()
+    with server.peak_metrics() as peak:
+        threads = [threading.Thread(target=server.stream, args=({
+            "text_input": f"Describe the colour number {i} in detail.", "max_tokens": 40,
+            "stream": True, "apply_chat_template": True},)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
 
     assert peak[("nv_trt_llm_request_metrics", "active")] >= 2
     assert peak[("nv_trt_llm_request_metrics", "scheduled")] >= 2

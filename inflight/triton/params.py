@@ -33,22 +33,21 @@ def get_bool(params: dict[str, str], key: str, default: bool) -> bool:
     raise ConfigError(f"parameter {key} must be true or false, got '{params[key]}'")
 
 
-def get_int(params: dict[str, str], key: str, default: int | None) -> int | None:
+def _get_number(params: dict[str, str], key: str, default, cast, kind: str):
     if key not in params:
         return default
     try:
-        return int(params[key])
+        return cast(params[key])
     except ValueError:
-        raise ConfigError(f"parameter {key} must be an integer, got '{params[key]}'") from None
+        raise ConfigError(f"parameter {key} must be {kind}, got '{params[key]}'") from None
+
+
+def get_int(params: dict[str, str], key: str, default: int | None) -> int | None:
+    return _get_number(params, key, default, int, "an integer")
 
 
 def get_float(params: dict[str, str], key: str, default: float | None) -> float | None:
-    if key not in params:
-        return default
-    try:
-        return float(params[key])
-    except ValueError:
-        raise ConfigError(f"parameter {key} must be a number, got '{params[key]}'") from None
+    return _get_number(params, key, default, float, "a number")
 
 
 def queue_size(model_config: dict[str, Any]) -> int | None:

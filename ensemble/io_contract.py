@@ -196,6 +196,11 @@ ENSEMBLE = ModelIO(
 # request id is this prefix + the chunk's `request_key`, and the engine cancels that request.
 CANCEL_KEY_PREFIX = "inflight-cancel-key:"
 
+# Generated ids preceding a streamed chunk that the engine model sends along with it
+# (`stream_context_ids`), so the stateless detokenizer decodes the chunk in context. Must cover
+# the tokens an incomplete character can be held in (3) plus at least one neighbour for spacing.
+CONTEXT_TOKENS = 8
+
 MODELS = {
     "preprocessing": PREPROCESSING,
     "tensorrt_llm": TENSORRT_LLM,

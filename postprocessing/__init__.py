@@ -1,5 +1,6 @@
 """Postprocessing library: token ids → text, streamed without per-request state (no Triton, no torch)."""
 
-from postprocessing.detokenizer import CONTEXT_TOKENS, Detokenizer
+from ensemble.io_contract import CONTEXT_TOKENS
+from postprocessing.detokenizer import Detokenizer
 
 __all__ = ["CONTEXT_TOKENS", "Detokenizer"]

@@ -32,11 +32,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ensemble.io_contract import CONTEXT_TOKENS
 from preprocessing.loader import load_tokenizer
 
-# Generated ids preceding a streamed chunk that the engine sends along with it. Must cover the
-# tokens an incomplete character can be held in (3) plus at least one neighbour for spacing.
-CONTEXT_TOKENS = 8
 
 _REPLACEMENT_CHAR = "\ufffd"
 # An incomplete UTF-8 character has at most 3 bytes, hence at most 3 tokens.

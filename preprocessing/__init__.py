@@ -1,6 +1,6 @@
 """Preprocessing library: prompt text → token ids and word tensors (no Triton, no torch)."""
 
-from preprocessing.errors import InputError
+from ensemble.errors import InputError
 from preprocessing.loader import load_tokenizer
 from preprocessing.tokenizer import TextTokenizer, decode_query, parse_word_list
 

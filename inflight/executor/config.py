@@ -9,9 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A configuration value breaks a documented rule."""
+from ensemble.errors import ConfigError
 
 
 def _check(ok: bool, message: str) -> None:

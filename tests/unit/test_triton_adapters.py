@@ -11,7 +11,8 @@ import pytest
 from ensemble.io_contract import CANCEL_KEY_PREFIX, MODELS
 from inflight.executor.config import CapacitySchedulerPolicy, ConfigError
 from inflight.executor.types import FinishReason, RequestError, Response, Result
-from inflight.triton import convert, params
+from ensemble import params as pbtxt
+from inflight.serving import convert, params
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -103,9 +104,9 @@ def test_parameters_follow_nvidia_keys_and_ignore_unfilled_templates():
         "max_num_sequences": {"string_value": "8"},
         "dtype": {"string_value": ""},
     }, "dynamic_batching": {"default_queue_policy": {"max_queue_size": 0}}}
-    values = params.read_parameters(config)
+    values = pbtxt.read_parameters(config)
     assert "max_tokens_in_paged_kv_cache" not in values and "dtype" not in values
-    executor_config = params.executor_config(values, params.queue_size(config))
+    executor_config = params.executor_config(values, pbtxt.queue_size(config))
     assert executor_config.scheduler_config.capacity_scheduler_policy is CapacitySchedulerPolicy.MAX_UTILIZATION
     assert executor_config.kv_cache_config.enable_block_reuse
     assert executor_config.kv_cache_config.free_gpu_memory_fraction == 0.5
@@ -162,7 +163,7 @@ def test_operator_limits_on_prompt_and_output_length():
 
 
 def test_tensorrtllm_backend_without_the_package_fails_with_one_clear_sentence():
-    from inflight.triton.backend import BackendUnavailable, create_executor
+    from inflight.serving.backend import BackendUnavailable, create_executor
 
     with pytest.raises(BackendUnavailable) as info:
         create_executor("tensorrtllm", "unused", params.executor_config({}))

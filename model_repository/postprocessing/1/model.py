@@ -17,8 +17,8 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ensemble import params
 from ensemble.io_contract import CANCEL_KEY_PREFIX
-from inflight.triton import params
 from postprocessing.detokenizer import Detokenizer
 from preprocessing.loader import load_tokenizer
 

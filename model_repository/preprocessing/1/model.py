@@ -10,9 +10,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ensemble import params
+from ensemble.errors import InputError
 from ensemble.io_contract import PREPROCESSING
-from inflight.triton import params
-from preprocessing.errors import InputError
 from preprocessing.tokenizer import TextTokenizer, decode_query
 
 

@@ -1,7 +1,7 @@
 """Triton adapter of the engine model (`tensorrt_llm`, decoupled, in-flight batching).
 
 Inputs/outputs: `ensemble.io_contract.TENSORRT_LLM` (NVIDIA's names). Parameters: NVIDIA's keys
-read by `inflight.triton.params` plus `executor_backend` (builtin | tensorrtllm).
+read by `ensemble.params` and `inflight.serving.params` plus `executor_backend` (builtin | tensorrtllm).
 
 Threading: `execute` only converts and enqueues, then returns. One thread awaits executor
 responses and sends them (the final flag rides on the last one); one thread polls
@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
+from ensemble import params
+from ensemble.errors import InputError
 from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
-from inflight.triton import convert, faults, metrics, params
-from inflight.triton.backend import create_executor
-from preprocessing.errors import InputError
+from inflight.serving import convert, faults, metrics
+from inflight.serving.backend import create_executor
+from inflight.serving.params import executor_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -53,7 +55,7 @@ class TritonPythonModel:
                                             params.get_int(values, "max_output_len", None))
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
-        config = params.executor_config(values, params.queue_size(model_config))
+        config = executor_config(values, params.queue_size(model_config))
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
         try:

@@ -12,13 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ensemble.errors import InputError
+from ensemble.io_contract import CONTEXT_TOKENS
+from ensemble.word_list import parse_word_list
 from inflight.executor.types import (OutputConfig, Request, RequestError, Response,
                                      SamplingConfig)
-from preprocessing.errors import InputError
-from preprocessing.tokenizer import parse_word_list
-
-# Generated tokens sent before each streamed chunk, so the detokenizer decodes it in context.
-from postprocessing.detokenizer import CONTEXT_TOKENS
 
 
 @dataclass

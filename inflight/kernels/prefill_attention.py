@@ -81,7 +81,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
     heads = kv_head * GROUP + r % GROUP
     q_pos = ctx_start + query
     dims = tl.arange(0, HEAD_DIM)
-    q_offs = (q_start + query)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    token = (q_start + query).to(tl.int64)  # T * row stride may pass 2^31 for long prompts
+    q_offs = token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=r_valid[:, None], other=0.0)  # [BLOCK_M, D]
 
     # Keys [0, full_hi) are visible to every query of the tile; [full_hi, key_hi) need the mask.
@@ -103,7 +104,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
                                  full_hi, key_hi, stride_block, stride_tok, scale_log2,
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION)
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = (q_start + query)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    o_offs = token[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=r_valid[:, None])
 
 

@@ -36,6 +36,8 @@ from inflight.kernels._common import (check_float, check_last_dim_contiguous, do
 
 # Tokens per K/V tile (see NOTES.md): 64 x 128 bf16 = 16 KiB for K and for V per iteration.
 DEFAULT_BLOCK_N = 64
+# fp32 (tests, parity runs): wider tiles spill registers on sm_90 (tools/compile_kernels.py).
+FP32_BLOCK_N = 16
 # Resident programs to aim for per SM when choosing P: enough loads in flight to cover HBM latency.
 PROGRAMS_PER_SM = 4
 # Below this many tokens per partition the extra reduce traffic and launch outweigh the gain.
@@ -168,7 +170,7 @@ class DecodeWorkspace:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_partitions: int = 1, workspace: DecodeWorkspace | None = None,
-                           block_n: int = DEFAULT_BLOCK_N, num_warps: int = 4,
+                           block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 2) -> torch.Tensor:
     """out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b over row b's first seq_lens[b] cached
     tokens, K/V of KV head h // (Hq / Hkv). Returns `out` (allocated if None).
@@ -178,6 +180,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     """
     num_seqs, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    block_n = block_n or (FP32_BLOCK_N if q.dtype == torch.float32 else DEFAULT_BLOCK_N)
     check_paged_inputs(q, kv_cache, block_tables, seq_lens, block_n)
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"decode needs one query per row: q has {num_seqs} rows, "

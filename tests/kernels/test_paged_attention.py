@@ -88,7 +88,7 @@ def test_large_shapes_cuda(gen, dtype, batch, context, group, partitions):
     lens = torch.randint(1, context + 1, (batch,), generator=gen, device=gen.device)
     lens[0] = context
     run_decode(gen, dtype, lens.tolist(), group, num_kv_heads=8, head_dim=128, block_size=32,
-               num_partitions=partitions, block_n=64)
+               num_partitions=partitions, block_n=None)
 
 
 def test_choose_num_partitions():

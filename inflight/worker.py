@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import AttentionMetadata, to_device
-from inflight.model.config import ModelConfig
-from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
+from inflight.model.attention import AttentionMetadata
+from inflight.model.loader import allocate_kv_caches, load_model
+from inflight.platform import apply_cpu_threads, resolve_device, resolve_dtype, to_device
 from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -21,41 +20,14 @@ logger = logging.getLogger(__name__)
 LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device '{name}' was asked for but CUDA is not available")
-    return device
-
-
-def _apply_cpu_threads() -> None:
-    """INFLIGHT_NUM_THREADS=N sets torch's intra-op CPU threads (default: torch's own, one per
-    core). On a CPU shared with other busy processes one thread can be several times faster
-    than all cores: OpenMP threads spin at every op's barrier while a sibling is descheduled."""
-    value = os.environ.get("INFLIGHT_NUM_THREADS", "").strip()
-    if not value:
-        return
-    try:
-        num_threads = int(value)
-    except ValueError:
-        raise RuntimeError(f"INFLIGHT_NUM_THREADS must be a positive integer, got '{value}'") from None
-    if num_threads < 1:
-        raise RuntimeError(f"INFLIGHT_NUM_THREADS must be a positive integer, got '{value}'")
-    torch.set_num_threads(num_threads)
-    logger.info("CPU intra-op threads: %d (INFLIGHT_NUM_THREADS)", num_threads)
-
-
 class Worker:
     """Runs the model over one `SchedulerOutput` and samples the next tokens."""
 
     def __init__(self, model_dir: str, config: ExecutorConfig):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            _apply_cpu_threads()
-        model_config = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+            apply_cpu_threads()
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)

@@ -20,16 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host tensor -> `device` without a host sync.
-
-    A plain `.to("cuda")` from pageable memory synchronises the stream; staging through pinned
-    memory lets the copy queue behind the GPU's pending work instead.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from inflight.platform import to_device
 
 
 # (start_position, num_new_tokens, block_table) for one row of the step.

@@ -14,6 +14,7 @@ from torch import nn
 from inflight.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from inflight.model.config import ModelConfig
 from inflight.model.rotary import RotaryEmbedding, apply_rotary_signed
+from inflight.platform import lm_head_padded_rows
 
 
 class RMSNorm(nn.Module):
@@ -139,16 +140,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
         num_rows = hidden.shape[0]
-        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32
-                and _CPU_LM_HEAD_PAD_FROM <= num_rows < _CPU_LM_HEAD_PAD_TO):
-            # MKL's sgemm against the row-major [vocab, hidden] head is ~1.5x slower for 4..15
-            # rows than for 16 (measured on the project's AVX-512 CPUs); zero rows are free.
-            padded = hidden.new_zeros(_CPU_LM_HEAD_PAD_TO, hidden.shape[1])
+        padded_rows = lm_head_padded_rows(num_rows, hidden.device, hidden.dtype)
+        if padded_rows != num_rows:  # a faster GEMM shape on this platform; zero rows are free
+            padded = hidden.new_zeros(padded_rows, hidden.shape[1])
             padded[:num_rows] = hidden
-            return self.lm_head(padded)[:num_rows]
+            return self.lm_head(padded)[:num_rows].float()
         return self.lm_head(hidden).float()
-
-
-# Row counts of the CPU fp32 LM-head product that are padded up to _CPU_LM_HEAD_PAD_TO.
-_CPU_LM_HEAD_PAD_FROM = 4
-_CPU_LM_HEAD_PAD_TO = 16

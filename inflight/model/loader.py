@@ -16,27 +16,10 @@ from torch import nn
 
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
+from inflight.platform import to_cpu_gemm_layout, uses_cpu_gemm_layout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint entries that are derived state, not weights (old Llama exports carry these).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_dtype(name: str, config: ModelConfig | None, device: torch.device | str) -> torch.dtype:
-    """Maps "auto|float32|bfloat16|float16" to a torch dtype.
-
-    "auto" is float32 on the CPU (bf16/fp16 matmuls are slow there) and bfloat16 on CUDA
-    (float16 when the GPU has no bf16 support); `config` is accepted for future per-model
-    choices and not consulted today.
-    """
-    key = name.strip().lower()
-    if key == "auto":
-        if torch.device(device).type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; expected one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[key]
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -113,7 +96,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
                          + (" ..." if len(missing) > 10 else ""))
-    if device.type == "cpu" and dtype == torch.float32:
+    if uses_cpu_gemm_layout(device, dtype):
         _use_cpu_gemm_layout(model)
     model.model.rotary_emb.reset_cache(device)
     model.eval()
@@ -121,22 +104,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
 
 
 def _use_cpu_gemm_layout(model: LlamaForCausalLM) -> None:
-    """Stores each decoder projection's fp32 weight transposed in memory (column-major).
+    """Stores each decoder projection's weight column-major (`platform.uses_cpu_gemm_layout`).
 
-    `F.linear(x, W)` computes x @ W^T. With W row-major that is MKL's "NT" sgemm; with W's
-    storage transposed it is the "NN" kernel, which on the AVX-512 CPUs measured here is
-    about 20 % faster for the 2..64-row products of batched decode (same speed at one row).
-    Only the layout changes: names, shapes ([out, in]) and values are HF's, so
-    `named_parameters`/`state_dict` compare equal to the checkpoint (`.contiguous()` gives the
-    row-major copy back, e.g. before `safetensors.save_file`). The tied embedding / LM head
-    stays row-major (embedding lookups read rows).
+    The tied embedding / LM head stays row-major (embedding lookups read rows).
     """
     for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                       layer.mlp.down_proj):
-            weight = linear.weight.detach()
-            linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        for linear in layer.modules():
+            if isinstance(linear, nn.Linear):
+                linear.weight = nn.Parameter(to_cpu_gemm_layout(linear.weight.detach()),
+                                             requires_grad=False)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from inflight.model.attention import AttentionMetadata
 from inflight.model.config import ModelConfig
-from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
+from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.rotary import compute_inv_freq
+from inflight.platform import resolve_dtype
 from tests.unit.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
 
 BLOCK_SIZE = 4
@@ -225,10 +226,10 @@ def test_smollm2_config(smollm2_dir):
     config = ModelConfig.from_dir(smollm2_dir)
     assert config.tie_word_embeddings and config.num_key_value_heads == 3
     assert config.eos_token_ids == [2] and config.rope_scaling is None
-    assert resolve_dtype("auto", config, "cpu") == torch.float32
-    assert resolve_dtype("bfloat16", config, "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
-        resolve_dtype("int8", config, "cpu")
+        resolve_dtype("int8", "cpu")
 
 
 def test_loader_reads_sharded_checkpoint(tmp_path):

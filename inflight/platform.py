@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Sequence
+
 import torch
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,35 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+_ALIGN_BYTES = 8  # every field starts 8-byte aligned, so any dtype can view its slice
+
+
+def pack_to_device(fields: Sequence[tuple[Sequence | torch.Tensor, torch.dtype]],
+                   device: torch.device | str) -> list[torch.Tensor]:
+    """Copies several small host arrays to `device` in one transfer; returns 1-D tensors.
+
+    Each field is `(values, dtype)`. On CUDA the fields are laid out in one pinned byte buffer
+    and copied with a single non-blocking copy (no host sync; the caching host allocator keeps
+    the buffer alive until the copy has run), then viewed back per field on the device. On the
+    CPU the host tensors are returned as they are.
+    """
+    device = torch.device(device)
+    host = [v.to(dtype).reshape(-1) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=dtype)
+            for v, dtype in fields]
+    if device.type != "cuda":
+        return [t.to(device) for t in host]
+    offsets, total = [], 0
+    for t in host:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
+    staging = torch.empty(max(total, _ALIGN_BYTES), dtype=torch.uint8, pin_memory=True)
+    for t, start in zip(host, offsets):
+        staging[start:start + t.numel() * t.element_size()].view(t.dtype).copy_(t)
+    on_device = staging.to(device, non_blocking=True)
+    return [on_device[start:start + t.numel() * t.element_size()].view(t.dtype)
+            for t, start in zip(host, offsets)]
 
 
 # ----- CPU tuning ----------------------------------------------------------------------------

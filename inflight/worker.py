@@ -1,23 +1,51 @@
-"""The device side of a step: owns the model, the paged KV cache tensors and the sampler."""
+"""The device side of a step: owns the model, the paged KV cache tensors and the sampler.
+
+A step is prepare inputs → run model → sample (`Worker.execute`):
+- `prepare_inputs` turns the scheduler's rows into a `StepInput`: one host → device transfer
+  of the step's token ids and layout (`StepMetadata`), then the attention backend's metadata;
+- `run_model` runs the forward pass and the LM head over the sampled rows (eager; a CUDA-graph
+  runner keyed by padded decode batch size replaces the forward here);
+- `sample` applies logits hooks and samples: the step's one host sync (the sampled ids).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import AttentionMetadata
+from inflight.model.attention import StepMetadata, cdiv
 from inflight.model.loader import allocate_kv_caches, load_model
-from inflight.platform import apply_cpu_threads, resolve_device, resolve_dtype, to_device
+from inflight.platform import apply_cpu_threads, resolve_device, resolve_dtype
 from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
 
 # (request_id, token_ids so far, logits [vocab]) -> logits [vocab]
 LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Everything `run_model` and `sample` need for one step; built by `prepare_inputs`."""
+
+    input_ids: torch.Tensor  # [T] int64, on the device
+    positions: torch.Tensor  # [T] int64, on the device
+    metadata: StepMetadata  # the step's layout (backend-neutral)
+    attn_metadata: Any  # the attention backend's metadata for this step
+    # Flat token indices of the sampled rows' last tokens (None: every token, in order).
+    logits_indices: torch.Tensor | None
+    sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
+    logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
+    request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampling_rows)
 
 
 class Worker:
@@ -29,6 +57,7 @@ class Worker:
             apply_cpu_threads()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        self.backend = self.model.attention_backend
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.block_size = config.kv_cache_config.tokens_per_block
@@ -38,6 +67,63 @@ class Worker:
         self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens (%s, %s)", self.num_blocks, self.block_size,
                     self.dtype, self.device)
+
+    # ----- the step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
+                hooks: list[LogitsHook | None] | None = None,
+                request_ids: list[int] | None = None) -> SamplerOutput:
+        """Compute the scheduled tokens and sample one token per `is_sampled` row.
+
+        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
+        """
+        step = self.prepare_inputs(batch, rows, hooks, request_ids)
+        logits = self.run_model(step)
+        return self.sample(logits, step)
+
+    def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
+                       hooks: list[LogitsHook | None] | None = None,
+                       request_ids: list[int] | None = None) -> StepInput:
+        """Host work of a step and its one host → device transfer; never syncs."""
+        input_ids: list[int] = []
+        sampled_rows: list[int] = []
+        for i, item in enumerate(batch.scheduled):
+            input_ids.extend(item.seq.token_ids[item.start_position:item.context_len])
+            if item.is_sampled:
+                sampled_rows.append(i)
+        if len(sampled_rows) != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for {len(sampled_rows)} sampled sequences")
+        meta = StepMetadata.build(
+            [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
+            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows)
+        return StepInput(input_ids=meta.input_ids, positions=meta.positions, metadata=meta,
+                         attn_metadata=self.backend.build_metadata(meta),
+                         logits_indices=meta.logits_indices, sampling_rows=rows,
+                         logits_hooks=hooks, request_ids=request_ids)
+
+    def run_model(self, step: StepInput) -> torch.Tensor:
+        """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches,
+                            step.attn_metadata)  # [T, hidden]
+        if step.num_sampled == 0:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        if step.logits_indices is not None:
+            hidden = hidden.index_select(0, step.logits_indices)  # [S, hidden]
+        return self.model.compute_logits(hidden)  # [S, vocab]
+
+    def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
+        """Logits hooks, then one token per sampled row (the step's one host sync)."""
+        if step.num_sampled == 0:
+            return SamplerOutput(token_ids=[], log_probs=[])
+        hooks = step.logits_hooks
+        if hooks and any(hooks):
+            for i, hook in enumerate(hooks):
+                if hook is not None:
+                    logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
+        return self.sampler.sample(logits, step.sampling_rows)
+
+    # ----- start-up --------------------------------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig) -> int:
         kv = config.kv_cache_config
@@ -49,49 +135,10 @@ class Worker:
             budget_bytes = kv.host_memory_bytes
         num_blocks = budget_bytes // bytes_per_block
         if kv.max_tokens is not None:
-            num_blocks = min(num_blocks, -(-kv.max_tokens // self.block_size))
+            num_blocks = min(num_blocks, cdiv(kv.max_tokens, self.block_size))
         # More than every batch slot at full length can never be used.
-        max_useful = config.max_batch_size * -(-self.max_seq_len // self.block_size)
-        num_blocks = min(num_blocks, max_useful)
+        num_blocks = min(num_blocks, config.max_batch_size * cdiv(self.max_seq_len, self.block_size))
         if num_blocks < 1:
             raise RuntimeError(f"the KV cache budget ({budget_bytes} bytes) holds no block of "
                                f"{bytes_per_block} bytes; raise the memory budget")
         return int(num_blocks)
-
-    @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
-                hooks: list[LogitsHook | None] | None = None,
-                request_ids: list[int] | None = None) -> SamplerOutput:
-        """Compute the scheduled tokens and sample one token per `is_sampled` row.
-
-        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
-        """
-        input_ids: list[int] = []
-        sampled_rows: list[int] = []
-        for i, item in enumerate(batch.scheduled):
-            input_ids.extend(item.seq.token_ids[item.start_position:item.context_len])
-            if item.is_sampled:
-                sampled_rows.append(i)
-        meta = AttentionMetadata.build(
-            [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
-            self.block_size, self.device)
-        # Built on the host and copied without a host sync (torch.tensor(list, device=cuda)
-        # would synchronise); positions come with the metadata.
-        ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)  # [num_tokens]
-        hidden = self.model(ids, meta.positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not sampled_rows:
-            return SamplerOutput(token_ids=[], log_probs=[])
-        if len(sampled_rows) == meta.num_rows:
-            # Every row samples its last token; in a decode-only step that is every token.
-            if meta.num_tokens != meta.num_rows:
-                hidden = hidden.index_select(0, meta.last_token_indices)
-        else:
-            last = [meta.query_start_loc[i + 1] - 1 for i in sampled_rows]
-            hidden = hidden.index_select(0, to_device(torch.tensor(last, dtype=torch.long),
-                                                      self.device))
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
-        if hooks and any(hooks):
-            for i, hook in enumerate(hooks):
-                if hook is not None:
-                    logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])
-        return self.sampler.sample(logits, rows)

@@ -7,11 +7,13 @@ renaming. The math follows transformers' modeling_llama / modeling_qwen2 / model
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from inflight.model.attention import AttentionBackend, get_attention_backend
 from inflight.model.config import ModelConfig
 from inflight.model.rotary import RotaryEmbedding, apply_rotary_signed
 from inflight.platform import lm_head_padded_rows
@@ -50,15 +52,16 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`."""
+                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`; `attn_metadata` from the
+        backend's `build_metadata`."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q = apply_rotary_signed(q, cos, sin_signed)
         k = apply_rotary_signed(k, cos, sin_signed)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -84,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -103,10 +106,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM computing a step's flattened tokens against the paged KV cache.
 
-    `forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]` writes each
-    layer's K/V for the T tokens into `kv_caches[layer]` and returns final-norm hidden states;
-    select the rows to sample (e.g. `meta.last_token_indices`) and call `compute_logits`.
-    Positions must be < `max_position_embeddings` (the RoPE table's length).
+    `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`
+    writes each layer's K/V for the T tokens into `kv_caches[layer]` and returns final-norm
+    hidden states; `attn_metadata` is `attention_backend.build_metadata(step)` for the step's
+    `StepMetadata`. Select the rows to sample (e.g. `step.last_token_indices`) and call
+    `compute_logits`. Positions must be < `max_position_embeddings` (the RoPE table's length).
     """
 
     def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch") -> None:
@@ -126,14 +130,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         # RoPE tables for this step's positions, shared by every layer.
         cos, sin = self.model.rotary_emb.cos_sin_signed(positions, hidden.dtype)  # [T, 1, D] each
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(hidden)  # [T, hidden]
 
     @torch.inference_mode()

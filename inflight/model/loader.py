@@ -52,8 +52,8 @@ def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> to
     return out.contiguous()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+               attention_backend: str = "torch") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
 
     Raises ValueError naming the tensors when the checkpoint lacks a model parameter, carries
@@ -63,7 +63,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, attention_backend)
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
 
     loaded: set[str] = set()

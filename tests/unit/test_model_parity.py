@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from inflight.model.attention import AttentionMetadata
+from inflight.model.attention import StepMetadata
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.rotary import compute_inv_freq
@@ -60,10 +60,11 @@ class PagedRunner:
         self.caches = allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
 
     def step(self, rows, all_logits: bool = False) -> torch.Tensor:
-        meta = AttentionMetadata.build([(start, len(toks), table) for toks, start, table in rows],
-                                       BLOCK_SIZE, "cpu")
+        meta = StepMetadata.build([(start, len(toks), table) for toks, start, table in rows],
+                                  BLOCK_SIZE, "cpu")
         input_ids = torch.tensor([t for toks, _, _ in rows for t in toks])
-        hidden = self.model(input_ids, meta.positions, self.caches, meta)
+        attn = self.model.attention_backend.build_metadata(meta)
+        hidden = self.model(input_ids, meta.positions, self.caches, attn)
         if not all_logits:
             hidden = hidden[meta.last_token_indices]
         return self.model.compute_logits(hidden)

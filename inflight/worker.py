@@ -18,7 +18,7 @@ import torch
 
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import StepMetadata, cdiv
+from inflight.model.attention import StepMetadata, cdiv, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import apply_cpu_threads, resolve_device, resolve_dtype
 from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
@@ -55,8 +55,14 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             apply_cpu_threads()
+        perf = config.extended_runtime_perf_knob_config
+        if perf.cuda_graph_mode and self.device.type != "cuda":
+            logger.warning("cuda_graph_mode is ignored: the engine runs on %s", self.device)
+        self.cuda_graph_mode = perf.cuda_graph_mode and self.device.type == "cuda"
+        backend_name = resolve_attention_backend(config.attention_backend, self.device,
+                                                 self.cuda_graph_mode)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, backend_name)
         self.backend = self.model.attention_backend
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
@@ -65,8 +71,8 @@ class Worker:
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size,
                                             self.dtype, self.device)
         self.sampler = Sampler()
-        logger.info("KV cache: %d blocks x %d tokens (%s, %s)", self.num_blocks, self.block_size,
-                    self.dtype, self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s)", self.num_blocks,
+                    self.block_size, self.dtype, self.device, backend_name)
 
     # ----- the step ----------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
-"""The per-step metadata builder (pure shapes and values), the one-transfer packer and the torch
-backend's private metadata."""
+"""The per-step metadata builder (pure shapes and values), the one-transfer packer, the torch
+backend's private metadata, and which attention backend a configuration resolves to."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inflight.model.attention import StepMetadata
+from ensemble.errors import ConfigError
+from inflight.model.attention import StepMetadata, resolve_attention_backend
 from inflight.model.attention.torch_ref import TorchPagedAttention
 from inflight.platform import pack_to_device
 
@@ -85,3 +86,16 @@ def test_torch_backend_splits_decode_and_prefill_groups():
     assert prefill.attn_mask[1, 0, 4].tolist() == [True] * 3 + [False] * 13
     whole = TorchPagedAttention().build_metadata(StepMetadata.build(ROWS[:1], BLOCK, "cpu"))
     assert len(whole.groups) == 1 and whole.groups[0].token_indices is None
+
+
+def test_attention_backend_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("torch", cpu, cuda_graph_mode=True) == "torch"  # ignored on CPU
+    with pytest.raises(ConfigError, match="attention_backend 'triton' needs a cuda device"):
+        resolve_attention_backend("triton", cpu)
+    with pytest.raises(ConfigError, match="attention_backend must be auto or one of"):
+        resolve_attention_backend("flash", cpu)
+    cuda = torch.device("cuda")
+    with pytest.raises(ConfigError, match="cuda_graph_mode needs an attention backend that supports"):
+        resolve_attention_backend("auto", cuda, cuda_graph_mode=True)

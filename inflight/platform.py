@@ -136,3 +136,21 @@ def lm_head_padded_rows(num_rows: int, device: torch.device, dtype: torch.dtype)
             and _CPU_LM_HEAD_PAD_FROM <= num_rows < _CPU_LM_HEAD_PAD_TO):
         return _CPU_LM_HEAD_PAD_TO
     return num_rows
+
+
+# ----- memory ----------------------------------------------------------------------------------
+
+def cuda_memory_for_kv(device: torch.device, peak_allocated_bytes: int) -> int:
+    """Bytes free for the KV cache after the weights and the runtime buffers (TensorRT-LLM's
+    meaning of `kv_cache_free_gpu_mem_fraction`'s base).
+
+    Call after a warm-up step at the largest batch with the peak memory statistics reset before
+    it: `peak_allocated_bytes` is `torch.cuda.max_memory_allocated`. Memory the caching
+    allocator holds but does not use now is reusable; the step's transient peak above what is
+    allocated now must stay free for later steps.
+    """
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cached_unused = torch.cuda.memory_reserved(device) - allocated
+    runtime_bytes = max(peak_allocated_bytes - allocated, 0)
+    return max(free_bytes + cached_unused - runtime_bytes, 0)

@@ -6,6 +6,11 @@ A step is prepare inputs → run model → sample (`Worker.execute`):
 - `run_model` runs the forward pass and the LM head over the sampled rows (eager; a CUDA-graph
   runner keyed by padded decode batch size replaces the forward here);
 - `sample` applies logits hooks and samples: the step's one host sync (the sampled ids).
+
+Start-up on CUDA: load the weights, run one warm-up step at the largest batch against a
+throw-away one-block cache, then size the KV cache from what is free after it
+(`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's meaning). Graph capture, which needs the
+real cache's addresses, comes after the allocation and lives in the headroom the fraction leaves.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from typing import Any, Callable
 
 import torch
 
-from inflight.core.outputs import SchedulerOutput
+from inflight.core.outputs import ScheduledSequence, SchedulerOutput
+from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.model.attention import StepMetadata, cdiv, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
-from inflight.platform import apply_cpu_threads, resolve_device, resolve_dtype
+from inflight.platform import apply_cpu_threads, cuda_memory_for_kv, resolve_device, resolve_dtype
 from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -67,10 +73,13 @@ class Worker:
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.block_size = config.kv_cache_config.tokens_per_block
-        self.num_blocks = self._num_kv_blocks(config)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        # Peak device memory of the largest step, weights included (0: not measured, on CPU).
+        self.peak_step_bytes = self._profile_peak_memory(config) if self.device.type == "cuda" else 0
+        self.num_blocks = self._num_kv_blocks(config, self.peak_step_bytes)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size,
                                             self.dtype, self.device)
-        self.sampler = Sampler()
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s)", self.num_blocks,
                     self.block_size, self.dtype, self.device, backend_name)
 
@@ -129,14 +138,13 @@ class Worker:
                     logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
         return self.sampler.sample(logits, step.sampling_rows)
 
-    # ----- start-up --------------------------------------------------------------------------
+    # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
-    def _num_kv_blocks(self, config: ExecutorConfig) -> int:
+    def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:
         kv = config.kv_cache_config
         bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
         if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget_bytes = int(free_bytes * kv.free_gpu_memory_fraction)
+            budget_bytes = int(cuda_memory_for_kv(self.device, peak_bytes) * kv.free_gpu_memory_fraction)
         else:
             budget_bytes = kv.host_memory_bytes
         num_blocks = budget_bytes // bytes_per_block
@@ -148,3 +156,51 @@ class Worker:
             raise RuntimeError(f"the KV cache budget ({budget_bytes} bytes) holds no block of "
                                f"{bytes_per_block} bytes; raise the memory budget")
         return int(num_blocks)
+
+    def _profile_peak_memory(self, config: ExecutorConfig) -> int:
+        """Peak bytes allocated on the device while running the largest step (weights included)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self.warm_up(config.max_batch_size, config.max_num_tokens)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise RuntimeError(f"the warm-up step at the largest batch (max_num_tokens "
+                               f"{config.max_num_tokens} over max_num_sequences {config.max_batch_size}) "
+                               f"does not fit in GPU memory next to the weights; lower them: {exc}") from None
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()  # give the warm-up's blocks back, so free memory is read cleanly
+        logger.info("warm-up step: peak %.1f MiB allocated (weights included)", peak / 2**20)
+        return peak
+
+    def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """One step through the real model and sampler at the largest batch the scheduler can
+        form: `max_num_tokens` tokens (at most `max_seq_len` per row) spread over
+        `max_batch_size` prefill rows, every row sampled with top-k, top-p, penalties and log
+        probs (the sampler's largest temporaries).
+
+        Runs against a throw-away one-block cache: every row's block table points at block 0
+        (whatever the rows write there is garbage nobody reads), so no real cache is touched
+        while attention still reads a full-length context per row.
+        """
+        num_rows = min(max_batch_size, max_num_tokens)
+        num_tokens = min(max_num_tokens, num_rows * self.max_seq_len)
+        vocab = self.model_config.vocab_size
+        scheduled, rows = [], []
+        for i in range(num_rows):
+            n = num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
+            ids = [(i * 7919 + j * 31) % vocab for j in range(n)]
+            seq = Sequence(request_id=-1 - i, prompt_token_ids=ids, max_new_tokens=1,
+                           block_table=[0] * cdiv(n, self.block_size))
+            scheduled.append(ScheduledSequence(seq, n))
+            rows.append(SamplingRow(token_ids=ids, num_prompt_tokens=n - 1, temperature=0.8, top_k=50,
+                                    top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1,
+                                    generator=torch.Generator(self.device).manual_seed(i),
+                                    return_log_probs=True))
+        real_caches = self.kv_caches
+        self.kv_caches = allocate_kv_caches(self.model_config, 1, self.block_size, self.dtype,
+                                            self.device)
+        try:
+            self.execute(SchedulerOutput(scheduled), rows)
+        finally:
+            self.kv_caches = real_caches

@@ -57,8 +57,9 @@ class KvCacheConfig:
     """Size and behaviour of the paged KV cache.
 
     Capacity is the smaller of `max_tokens` and what the memory budget allows: on CUDA the
-    budget is `free_gpu_memory_fraction` of the memory free after the weights are loaded; on
-    CPU it is `host_memory_bytes`.
+    budget is `free_gpu_memory_fraction` of the memory free after the weights and the runtime
+    buffers (measured by a warm-up step at the largest batch), as in TensorRT-LLM; on CPU it
+    is `host_memory_bytes`.
     """
 
     enable_block_reuse: bool = False

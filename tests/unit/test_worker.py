@@ -1,4 +1,4 @@
-"""The worker's step split: prepare inputs → run model → sample."""
+"""The worker's step split (prepare inputs → run model → sample) and its warm-up step."""
 
 from __future__ import annotations
 
@@ -47,3 +47,13 @@ def test_rows_must_match_the_sampled_sequences(worker):
     batch, _ = _batch()
     with pytest.raises(ValueError, match="0 sampling rows for 1 sampled sequences"):
         worker.prepare_inputs(batch, [])
+
+
+def test_warm_up_runs_the_largest_step_without_touching_the_cache(worker):
+    for cache in worker.kv_caches:
+        cache.fill_(0.5)
+    worker.warm_up(max_batch_size=4, max_num_tokens=64)
+    assert all(bool((cache == 0.5).all()) for cache in worker.kv_caches)
+    for cache in worker.kv_caches:
+        cache.zero_()
+    worker.warm_up(max_batch_size=8, max_num_tokens=3)  # fewer tokens than rows: one per row

@@ -1,8 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over flattened, paged batches.
 
-Parameter names are Hugging Face's exactly, so a checkpoint's state dict loads without any
-renaming. The math follows transformers' modeling_llama / modeling_qwen2 / modeling_mistral
-(RMSNorm in fp32, rotate_half RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
+Parameter names are Hugging Face's, so a checkpoint's tensors load by name. With
+`pack_projections` q/k/v become one `qkv_proj` and gate/up one `gate_up_proj` (one GEMM each
+instead of three and two); `PackedLinear.parts` keeps the HF names of the rows it packs, and
+the loader fills each part from the checkpoint tensor of that name. The math follows
+transformers' modeling_llama / modeling_qwen2 / modeling_mistral (RMSNorm in fp32, rotate_half
+RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
 """
 
 from __future__ import annotations
@@ -36,18 +39,51 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, shape, eps=self.eps)
 
 
+class PackedLinear(nn.Linear):
+    """Several projections of the same input in one weight: rows of `parts` stacked in order.
+
+    `parts` names each block of output rows with its checkpoint name (e.g. ("q_proj", 576));
+    the weight is [sum of sizes, in_features] and `forward` returns the stacked outputs.
+    """
+
+    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool) -> None:
+        super().__init__(in_features, sum(size for _, size in parts), bias=bias)
+        self.parts = parts
+
+    def part_rows(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint name -> (first row, number of rows) in the packed weight."""
+        rows, start = {}, 0
+        for name, size in self.parts:
+            rows[name] = (start, size)
+            start += size
+        return rows
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up [T, I], computed in place in the gate half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         hidden = config.hidden_size
-        qkv_bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        bias = config.attention_bias
+        self.sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim)
+        self.packed = pack_projections
+        if pack_projections:
+            self.qkv_proj = PackedLinear(hidden, tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes)),
+                                         bias=bias)
+        else:
+            self.q_proj = nn.Linear(hidden, self.sizes[0], bias=bias)
+            self.k_proj = nn.Linear(hidden, self.sizes[1], bias=bias)
+            self.v_proj = nn.Linear(hidden, self.sizes[2], bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.backend = backend
 
@@ -56,9 +92,13 @@ class Attention(nn.Module):
         """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`; `attn_metadata` from the
         backend's `build_metadata`."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.packed:
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, Hq*D + 2*Hkv*D]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q = apply_rotary_signed(q, cos, sin_signed)
         k = apply_rotary_signed(k, cos, sin_signed)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
@@ -66,23 +106,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, pack_projections: bool) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.packed = pack_projections
+        if pack_projections:
+            self.gate_up_proj = PackedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)),
+                                             bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
         return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, pack_projections)
+        self.mlp = MLP(config, pack_projections)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,10 +140,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, pack_projections)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -113,13 +160,14 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits`. Positions must be < `max_position_embeddings` (the RoPE table's length).
     """
 
-    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch") -> None:
+    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch",
+                 pack_projections: bool = False) -> None:
         super().__init__()
         self.config = config
         backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
                    else get_attention_backend(attention_backend))
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, pack_projections)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()

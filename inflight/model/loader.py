@@ -8,6 +8,7 @@ memory stays about one tensor above the model's size.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,8 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from inflight.model.config import ModelConfig
-from inflight.model.llama import LlamaForCausalLM
-from inflight.platform import to_cpu_gemm_layout, uses_cpu_gemm_layout
+from inflight.model.llama import LlamaForCausalLM, PackedLinear
+from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
 # Checkpoint entries that are derived state, not weights (old Llama exports carry these).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,10 +34,47 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_path, _, attr = name.rpartition(".")
+@dataclass(frozen=True)
+class _Target:
+    """Where a checkpoint tensor goes: rows [start, start + shape[0]) of model parameter `param`."""
+
+    param: str
+    start: int
+    shape: torch.Size
+    is_part: bool  # a block of a PackedLinear's rows, not the whole parameter
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, _Target]:
+    """Every checkpoint (HF) tensor name the model needs -> where it goes in the model.
+
+    Unpacked parameters are their own HF names; a `PackedLinear` named `...qkv_proj` stands
+    for `...q_proj`, `...k_proj`, `...v_proj` (its `parts`), each a block of its rows.
+    """
+    layout = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, PackedLinear):
+            layout[name] = _Target(name, 0, param.shape, False)
+            continue
+        prefix = module_name.rpartition(".")[0]
+        for part, (start, size) in module.part_rows().items():
+            layout[f"{prefix}.{part}.{attr}"] = _Target(name, start, torch.Size((size, *param.shape[1:])), True)
+    return layout
+
+
+def _set_tensor(model: nn.Module, target: _Target, tensor: torch.Tensor) -> None:
+    module_path, _, attr = target.param.rpartition(".")
     module = model.get_submodule(module_path)
-    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    if not target.is_part:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        return
+    param = getattr(module, attr)
+    if param.is_meta:  # first part of a packed weight: allocate the whole of it
+        param = nn.Parameter(torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device),
+                             requires_grad=False)
+        setattr(module, attr, param)
+    param.data[target.start:target.start + target.shape[0]].copy_(tensor)
 
 
 def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -56,15 +94,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
                attention_backend: str = "torch") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
 
-    Raises ValueError naming the tensors when the checkpoint lacks a model parameter, carries
-    one the model does not have, or has a shape that does not match the config.
+    Whether q/k/v and gate/up are packed follows `platform.packs_projections(device)`; either
+    way every checkpoint tensor is checked by its HF name and shape. Raises ValueError naming
+    the tensors when the checkpoint lacks a model tensor, carries one the model does not have,
+    or has a shape that does not match the config.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend)
-    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+        model = LlamaForCausalLM(config, attention_backend, pack_projections=packs_projections(device))
+    expected = checkpoint_layout(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -79,10 +119,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                if tensor.shape != expected[name]:
+                if tensor.shape != expected[name].shape:
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {path.name}, "
-                                     f"expected {tuple(expected[name])} from config.json")
-                _set_tensor(model, name, _owned(tensor, device, dtype))
+                                     f"expected {tuple(expected[name].shape)} from config.json")
+                _set_tensor(model, expected[name], _owned(tensor, device, dtype))
                 loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "

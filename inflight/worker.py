@@ -3,8 +3,8 @@
 A step is prepare inputs → run model → sample (`Worker.execute`):
 - `prepare_inputs` turns the scheduler's rows into a `StepInput`: one host → device transfer
   of the step's token ids and layout (`StepMetadata`), then the attention backend's metadata;
-- `run_model` runs the forward pass and the LM head over the sampled rows (eager; a CUDA-graph
-  runner keyed by padded decode batch size replaces the forward here);
+- `run_model` runs the forward pass and the LM head over the sampled rows (eager today; this
+  is where a CUDA-graph runner keyed by padded decode batch size replays decode steps);
 - `sample` applies logits hooks and samples: the step's one host sync (the sampled ids).
 
 Start-up on CUDA: load the weights, run one warm-up step at the largest batch against a

@@ -8,7 +8,6 @@ nothing until it is asked for, and then fails with one clear sentence.
 from __future__ import annotations
 
 import importlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +15,6 @@ import torch
 from ensemble.errors import ConfigError
 from inflight.model.attention.base import AttentionBackend
 from inflight.model.attention.metadata import Row, StepMetadata, cdiv
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,8 +64,8 @@ def resolve_attention_backend(name: str, device: torch.device, cuda_graph_mode: 
                           f"device, but the engine runs on {device.type}")
     try:
         backend = attention_backend_class(resolved)
-    except ValueError as exc:
-        raise ConfigError(f"attention_backend '{resolved}': {exc}") from None
+    except ValueError as exc:  # "attention backend '...' is not available here: ..."
+        raise ConfigError(f"attention_backend: {exc}") from None
     if cuda_graph_mode and device.type == "cuda" and not backend.supports_cuda_graphs:
         raise ConfigError(f"cuda_graph_mode needs an attention backend that supports CUDA graphs; "
                           f"attention_backend '{name}' is '{resolved}' here, which does not")

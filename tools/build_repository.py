@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fill_template import fill, split_pairs  # noqa: E402
 
 from ensemble.io_contract import MODELS  # noqa: E402
+from inflight.serving.params import template_defaults  # noqa: E402
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
@@ -62,6 +63,9 @@ DEFAULTS = {
     "cancellation_check_period_ms": "100",
     "stats_check_period_ms": "100",
     "iter_stats_max_iterations": "1000",
+    # attention_backend, cuda_graph_mode, cuda_graph_cache_size, ...: declared once, with the
+    # engine's defaults, in inflight/serving/params.py KNOBS.
+    **template_defaults(),
 }
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inflight.engine import LLMEngine  # noqa: E402
 from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
 from inflight.executor.types import OutputConfig, Request, SamplingConfig  # noqa: E402
-from inflight.model.attention import AttentionMetadata  # noqa: E402
+from inflight.model.attention import StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 
 # Chat prompts (ChatML, as the instruct model expects); token ids are stored in the reference.
@@ -126,8 +126,8 @@ def teacher_forced_logits(model, prompt: list[int], continuation: list[int],
     seq = prompt + continuation
     num_blocks = -(-len(seq) // BLOCK)
     caches = allocate_kv_caches(model.config, num_blocks, BLOCK, next(model.parameters()).dtype, device)
-    meta = AttentionMetadata.build([(0, len(seq), list(range(num_blocks)))], BLOCK, device)
-    hidden = model(torch.tensor(seq, device=device), meta.positions, caches, meta)
+    meta = StepMetadata.build([(0, len(seq), list(range(num_blocks)))], BLOCK, device, input_ids=seq)
+    hidden = model(meta.input_ids, meta.positions, caches, model.attention_backend.build_metadata(meta))
     rows = hidden[len(prompt) - 1: len(seq) - 1]
     return model.compute_logits(rows).float().cpu()
 

@@ -39,6 +39,8 @@ smoke_and_bench() {  # MODEL_DIR [REFERENCE]
   echo "=== gpu_smoke.py check ($model) ==="
   $PY tools/gpu_smoke.py check --model "$model" --profile ${ref:+--reference "$ref"}
   local rc=$?
+  echo "=== gpu_startup_check.py (warm-up, KV cache sizing, the largest step) ==="
+  $PY tools/gpu_startup_check.py --model "$model" || rc=1
   echo "=== bench_engine.py on CUDA, bf16 ==="
   $PY tools/bench_engine.py --model "$model" --device cuda --dtype bfloat16 --concurrency 1,32
   return $rc

@@ -57,8 +57,9 @@ class KvCacheConfig:
     """Size and behaviour of the paged KV cache.
 
     Capacity is the smaller of `max_tokens` and what the memory budget allows: on CUDA the
-    budget is `free_gpu_memory_fraction` of the memory free after the weights are loaded; on
-    CPU it is `host_memory_bytes`.
+    budget is `free_gpu_memory_fraction` of the memory free after the weights and the runtime
+    buffers (measured by a warm-up step at the largest batch), as in TensorRT-LLM; on CPU it
+    is `host_memory_bytes`.
     """
 
     enable_block_reuse: bool = False
@@ -75,6 +76,40 @@ class KvCacheConfig:
         _check(self.host_memory_bytes > 0, f"host_memory_bytes must be > 0, got {self.host_memory_bytes}")
         _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
                f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
+
+
+@dataclass(frozen=True)
+class ExtendedRuntimePerfKnobConfig:
+    """TensorRT-LLM's runtime performance knobs (same names and defaults).
+
+    `cuda_graph_mode` replays decode steps from CUDA graphs captured at start-up, one per
+    decode batch-size bucket (`cuda_graph_batch_sizes`); a step of B rows runs in the smallest
+    captured bucket >= B, padded, and larger or mixed steps run eagerly. It needs an attention
+    backend with `supports_cuda_graphs` and is ignored on a CPU.
+    `cuda_graph_cache_size` is how many buckets are captured: 0 means all of them.
+    `multi_block_mode` lets decode attention split a long context over several thread blocks
+    (split-K) in the Triton backend. `enable_context_fmha_fp32_acc` is accepted for
+    compatibility: our attention always accumulates in fp32.
+    """
+
+    multi_block_mode: bool = True
+    enable_context_fmha_fp32_acc: bool = False
+    cuda_graph_mode: bool = False
+    cuda_graph_cache_size: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.cuda_graph_cache_size >= 0,
+               f"cuda_graph_cache_size must be >= 0, got {self.cuda_graph_cache_size}")
+
+    def cuda_graph_batch_sizes(self, max_batch_size: int) -> tuple[int, ...]:
+        """Decode batch sizes captured: 1, 2, 4, 8, 16, then steps of 16, up to and including
+        `max_batch_size`; only the smallest `cuda_graph_cache_size` of them when that is > 0."""
+        sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+        sizes += list(range(16, max_batch_size, 16)) + [max_batch_size]
+        return tuple(sizes[:self.cuda_graph_cache_size] if self.cuda_graph_cache_size else sizes)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,11 @@ class ExecutorConfig:
     max_seq_len: int | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    extended_runtime_perf_knob_config: ExtendedRuntimePerfKnobConfig = field(
+        default_factory=ExtendedRuntimePerfKnobConfig)
+    # auto: the device's default (the torch reference today); torch: plain torch (CPU, CUDA);
+    # triton: Triton-language paged kernels (CUDA only).
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")
@@ -109,3 +149,10 @@ class ExecutorConfig:
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be auto, cpu or cuda[:N], got '{self.device}'")
         _check(self.iter_stats_max_iterations >= 0, "iter_stats_max_iterations must be >= 0")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be {', '.join(ATTENTION_BACKENDS[:-1])} or "
+               f"{ATTENTION_BACKENDS[-1]}, got '{self.attention_backend}'")
+        _check(not (self.device == "cpu" and self.attention_backend == "triton"),
+               "attention_backend 'triton' needs a CUDA device, but device is 'cpu'")
+        _check(not (self.device == "cpu" and self.extended_runtime_perf_knob_config.cuda_graph_mode),
+               "cuda_graph_mode needs a CUDA device, but device is 'cpu'")

@@ -1,19 +1,25 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over flattened, paged batches.
 
-Parameter names are Hugging Face's exactly, so a checkpoint's state dict loads without any
-renaming. The math follows transformers' modeling_llama / modeling_qwen2 / modeling_mistral
-(RMSNorm in fp32, rotate_half RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
+Parameter names are Hugging Face's, so a checkpoint's tensors load by name. With
+`pack_projections` q/k/v become one `qkv_proj` and gate/up one `gate_up_proj` (one GEMM each
+instead of three and two); `PackedLinear.parts` keeps the HF names of the rows it packs, and
+the loader fills each part from the checkpoint tensor of that name. The math follows
+transformers' modeling_llama / modeling_qwen2 / modeling_mistral (RMSNorm in fp32, rotate_half
+RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from inflight.model.attention import AttentionBackend, get_attention_backend
 from inflight.model.config import ModelConfig
 from inflight.model.rotary import RotaryEmbedding, apply_rotary_signed
+from inflight.platform import lm_head_padded_rows
 
 
 class RMSNorm(nn.Module):
@@ -33,66 +39,111 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, shape, eps=self.eps)
 
 
+class PackedLinear(nn.Linear):
+    """Several projections of the same input in one weight: rows of `parts` stacked in order.
+
+    `parts` names each block of output rows with its checkpoint name (e.g. ("q_proj", 576));
+    the weight is [sum of sizes, in_features] and `forward` returns the stacked outputs.
+    """
+
+    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool) -> None:
+        super().__init__(in_features, sum(size for _, size in parts), bias=bias)
+        self.parts = parts
+
+    def part_rows(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint name -> (first row, number of rows) in the packed weight."""
+        rows, start = {}, 0
+        for name, size in self.parts:
+            rows[name] = (start, size)
+            start += size
+        return rows
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up [T, I], computed in place in the gate half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         hidden = config.hidden_size
-        qkv_bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        bias = config.attention_bias
+        self.sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim)
+        self.packed = pack_projections
+        if pack_projections:
+            self.qkv_proj = PackedLinear(hidden, tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes)),
+                                         bias=bias)
+        else:
+            self.q_proj = nn.Linear(hidden, self.sizes[0], bias=bias)
+            self.k_proj = nn.Linear(hidden, self.sizes[1], bias=bias)
+            self.v_proj = nn.Linear(hidden, self.sizes[2], bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`."""
+                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`; `attn_metadata` from the
+        backend's `build_metadata`."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.packed:
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, Hq*D + 2*Hkv*D]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q = apply_rotary_signed(q, cos, sin_signed)
         k = apply_rotary_signed(k, cos, sin_signed)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, pack_projections: bool) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.packed = pack_projections
+        if pack_projections:
+            self.gate_up_proj = PackedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)),
+                                             bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
         return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, pack_projections)
+        self.mlp = MLP(config, pack_projections)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, pack_projections)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -102,19 +153,21 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM computing a step's flattened tokens against the paged KV cache.
 
-    `forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]` writes each
-    layer's K/V for the T tokens into `kv_caches[layer]` and returns final-norm hidden states;
-    select the rows to sample (e.g. `meta.last_token_indices`) and call `compute_logits`.
-    Positions must be < `max_position_embeddings` (the RoPE table's length).
+    `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`
+    writes each layer's K/V for the T tokens into `kv_caches[layer]` and returns final-norm
+    hidden states; `attn_metadata` is `attention_backend.build_metadata(step)` for the step's
+    `StepMetadata`. Select the rows to sample (e.g. `step.last_token_indices`) and call
+    `compute_logits`. Positions must be < `max_position_embeddings` (the RoPE table's length).
     """
 
-    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch") -> None:
+    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch",
+                 pack_projections: bool = False) -> None:
         super().__init__()
         self.config = config
         backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
                    else get_attention_backend(attention_backend))
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, pack_projections)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
@@ -125,30 +178,23 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         # RoPE tables for this step's positions, shared by every layer.
         cos, sin = self.model.rotary_emb.cos_sin_signed(positions, hidden.dtype)  # [T, 1, D] each
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.model.norm(hidden)  # [T, hidden]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
         num_rows = hidden.shape[0]
-        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32
-                and _CPU_LM_HEAD_PAD_FROM <= num_rows < _CPU_LM_HEAD_PAD_TO):
-            # MKL's sgemm against the row-major [vocab, hidden] head is ~1.5x slower for 4..15
-            # rows than for 16 (measured on the project's AVX-512 CPUs); zero rows are free.
-            padded = hidden.new_zeros(_CPU_LM_HEAD_PAD_TO, hidden.shape[1])
+        padded_rows = lm_head_padded_rows(num_rows, hidden.device, hidden.dtype)
+        if padded_rows != num_rows:  # a faster GEMM shape on this platform; zero rows are free
+            padded = hidden.new_zeros(padded_rows, hidden.shape[1])
             padded[:num_rows] = hidden
-            return self.lm_head(padded)[:num_rows]
+            return self.lm_head(padded)[:num_rows].float()
         return self.lm_head(hidden).float()
-
-
-# Row counts of the CPU fp32 LM-head product that are padded up to _CPU_LM_HEAD_PAD_TO.
-_CPU_LM_HEAD_PAD_FROM = 4
-_CPU_LM_HEAD_PAD_TO = 16

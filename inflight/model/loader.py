@@ -8,6 +8,7 @@ memory stays about one tensor above the model's size.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,28 +16,11 @@ from safetensors import safe_open
 from torch import nn
 
 from inflight.model.config import ModelConfig
-from inflight.model.llama import LlamaForCausalLM
+from inflight.model.llama import LlamaForCausalLM, PackedLinear
+from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint entries that are derived state, not weights (old Llama exports carry these).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_dtype(name: str, config: ModelConfig | None, device: torch.device | str) -> torch.dtype:
-    """Maps "auto|float32|bfloat16|float16" to a torch dtype.
-
-    "auto" is float32 on the CPU (bf16/fp16 matmuls are slow there) and bfloat16 on CUDA
-    (float16 when the GPU has no bf16 support); `config` is accepted for future per-model
-    choices and not consulted today.
-    """
-    key = name.strip().lower()
-    if key == "auto":
-        if torch.device(device).type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; expected one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[key]
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -50,10 +34,47 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_path, _, attr = name.rpartition(".")
+@dataclass(frozen=True)
+class _Target:
+    """Where a checkpoint tensor goes: rows [start, start + shape[0]) of model parameter `param`."""
+
+    param: str
+    start: int
+    shape: torch.Size
+    is_part: bool  # a block of a PackedLinear's rows, not the whole parameter
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, _Target]:
+    """Every checkpoint (HF) tensor name the model needs -> where it goes in the model.
+
+    Unpacked parameters are their own HF names; a `PackedLinear` named `...qkv_proj` stands
+    for `...q_proj`, `...k_proj`, `...v_proj` (its `parts`), each a block of its rows.
+    """
+    layout = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, PackedLinear):
+            layout[name] = _Target(name, 0, param.shape, False)
+            continue
+        prefix = module_name.rpartition(".")[0]
+        for part, (start, size) in module.part_rows().items():
+            layout[f"{prefix}.{part}.{attr}"] = _Target(name, start, torch.Size((size, *param.shape[1:])), True)
+    return layout
+
+
+def _set_tensor(model: nn.Module, target: _Target, tensor: torch.Tensor) -> None:
+    module_path, _, attr = target.param.rpartition(".")
     module = model.get_submodule(module_path)
-    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    if not target.is_part:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+        return
+    param = getattr(module, attr)
+    if param.is_meta:  # first part of a packed weight: allocate the whole of it
+        param = nn.Parameter(torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device),
+                             requires_grad=False)
+        setattr(module, attr, param)
+    param.data[target.start:target.start + target.shape[0]].copy_(tensor)
 
 
 def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -69,19 +90,21 @@ def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> to
     return out.contiguous()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+               attention_backend: str = "torch") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
 
-    Raises ValueError naming the tensors when the checkpoint lacks a model parameter, carries
-    one the model does not have, or has a shape that does not match the config.
+    Whether q/k/v and gate/up are packed follows `platform.packs_projections(device)`; either
+    way every checkpoint tensor is checked by its HF name and shape. Raises ValueError naming
+    the tensors when the checkpoint lacks a model tensor, carries one the model does not have,
+    or has a shape that does not match the config.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+        model = LlamaForCausalLM(config, attention_backend, pack_projections=packs_projections(device))
+    expected = checkpoint_layout(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -96,10 +119,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                if tensor.shape != expected[name]:
+                if tensor.shape != expected[name].shape:
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {path.name}, "
-                                     f"expected {tuple(expected[name])} from config.json")
-                _set_tensor(model, name, _owned(tensor, device, dtype))
+                                     f"expected {tuple(expected[name].shape)} from config.json")
+                _set_tensor(model, expected[name], _owned(tensor, device, dtype))
                 loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "
@@ -113,7 +136,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
                          + (" ..." if len(missing) > 10 else ""))
-    if device.type == "cpu" and dtype == torch.float32:
+    if uses_cpu_gemm_layout(device, dtype):
         _use_cpu_gemm_layout(model)
     model.model.rotary_emb.reset_cache(device)
     model.eval()
@@ -121,22 +144,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
 
 
 def _use_cpu_gemm_layout(model: LlamaForCausalLM) -> None:
-    """Stores each decoder projection's fp32 weight transposed in memory (column-major).
+    """Stores each decoder projection's weight column-major (`platform.uses_cpu_gemm_layout`).
 
-    `F.linear(x, W)` computes x @ W^T. With W row-major that is MKL's "NT" sgemm; with W's
-    storage transposed it is the "NN" kernel, which on the AVX-512 CPUs measured here is
-    about 20 % faster for the 2..64-row products of batched decode (same speed at one row).
-    Only the layout changes: names, shapes ([out, in]) and values are HF's, so
-    `named_parameters`/`state_dict` compare equal to the checkpoint (`.contiguous()` gives the
-    row-major copy back, e.g. before `safetensors.save_file`). The tied embedding / LM head
-    stays row-major (embedding lookups read rows).
+    The tied embedding / LM head stays row-major (embedding lookups read rows).
     """
     for layer in model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                       layer.mlp.down_proj):
-            weight = linear.weight.detach()
-            linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        for linear in layer.modules():
+            if isinstance(linear, nn.Linear):
+                linear.weight = nn.Parameter(to_cpu_gemm_layout(linear.weight.detach()),
+                                             requires_grad=False)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inflight.platform import to_device
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -85,15 +86,8 @@ class SamplerOutput:
     log_probs: list[float | None]  # None for rows that did not ask for log probs
 
 
-def _tensor_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Moves a tensor to `device` without a host sync (pageable H2D copies sync on CUDA)."""
-    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _tensor_to(torch.tensor(values, dtype=dtype), device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _row_param(rows: list[SamplingRow], attr: str, device: torch.device) -> torch.Tensor:
@@ -147,7 +141,7 @@ class Sampler:
             bias = torch.zeros_like(logits)
             for i, r in enumerate(rows):
                 if r.embedding_bias is not None:
-                    bias[i] = _tensor_to(r.embedding_bias, device).to(logits.dtype)
+                    bias[i] = to_device(r.embedding_bias, device).to(logits.dtype)
             logits += bias
 
         if any(r.repetition_penalty != 1.0 for r in rows):

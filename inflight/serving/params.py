@@ -2,10 +2,56 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
 from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
-from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig,
-                                      SchedulerConfig)
+from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig,
+                                      ExtendedRuntimePerfKnobConfig, KvCacheConfig, SchedulerConfig)
+
+
+def get_str(params: dict[str, str], key: str, default: str) -> str:
+    return params.get(key, default)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One engine parameter declared once: its pbtxt key, the config field it sets and how its
+    text is read. The default is the config dataclass's, so it is written in one place; the
+    repository builder renders it into the template (`template_defaults`)."""
+
+    key: str
+    owner: type
+    field: str
+    read: Callable
+
+    @property
+    def default(self):
+        return next(f for f in dataclasses.fields(self.owner) if f.name == self.field).default
+
+
+# The GPU fast-path knobs. NVIDIA's keys where TensorRT-LLM has one (ExtendedRuntimePerfKnobConfig);
+# attention_backend is ours.
+KNOBS = (
+    Knob("attention_backend", ExecutorConfig, "attention_backend", get_str),
+    Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_bool),
+    Knob("cuda_graph_cache_size", ExtendedRuntimePerfKnobConfig, "cuda_graph_cache_size", get_int),
+    Knob("multi_block_mode", ExtendedRuntimePerfKnobConfig, "multi_block_mode", get_bool),
+    Knob("enable_context_fmha_fp32_acc", ExtendedRuntimePerfKnobConfig,
+         "enable_context_fmha_fp32_acc", get_bool),
+)
+
+
+def _knob_fields(owner: type, params: dict[str, str]) -> dict:
+    return {k.field: k.read(params, k.key, k.default) for k in KNOBS if k.owner is owner}
+
+
+def template_defaults() -> dict[str, str]:
+    """Each knob's default as `config.pbtxt` text (booleans lower-case, as NVIDIA writes them)."""
+    return {k.key: str(k.default).lower() if isinstance(k.default, bool) else str(k.default)
+            for k in KNOBS}
 
 
 def executor_config(params: dict[str, str], max_queue_size: int | None = None) -> ExecutorConfig:
@@ -34,4 +80,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         max_seq_len=get_int(params, "max_seq_len", None),
         dtype=params.get("dtype", "auto"),
         device=params.get("device", "auto"),
+        extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
+            **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
+        **_knob_fields(ExecutorConfig, params),
     )

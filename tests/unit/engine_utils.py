@@ -52,10 +52,10 @@ def shared_weights() -> Iterator[None]:
     cache: dict = {}
     real_load = inflight.worker.load_model
 
-    def cached_load(model_dir, dtype, device):
-        key = (str(Path(model_dir).resolve()), dtype, str(device))
+    def cached_load(model_dir, dtype, device, *args):
+        key = (str(Path(model_dir).resolve()), dtype, str(device), *args)
         if key not in cache:
-            cache[key] = real_load(model_dir, dtype, device)
+            cache[key] = real_load(model_dir, dtype, device, *args)
         return cache[key]
 
     with pytest.MonkeyPatch.context() as mp:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inflight.model.attention import AttentionMetadata, TorchPagedAttention
+from inflight.model.attention import StepMetadata
+from inflight.model.attention.torch_ref import TorchPagedAttention
 from inflight.model.loader import _owned, load_model
 from inflight.model.rotary import RotaryEmbedding, apply_rotary, apply_rotary_signed
 from tests.unit.checkpoints import tiny_hf_model
@@ -55,8 +56,9 @@ def test_gqa_folded_attention_matches_expanded_reference():
     q = torch.randn(num_tokens, num_q_heads, head_dim)
     k = torch.randn(num_tokens, num_kv_heads, head_dim)
     v = torch.randn(num_tokens, num_kv_heads, head_dim)
-    meta = AttentionMetadata.build(rows, block_size, "cpu")
-    ours = TorchPagedAttention().forward(q, k, v, cache, meta, head_dim ** -0.5)
+    backend = TorchPagedAttention()
+    meta = backend.build_metadata(StepMetadata.build(rows, block_size, "cpu"))
+    ours = backend.forward(q, k, v, cache, meta, head_dim ** -0.5)
     ref = _reference_attention(q, cache, rows, block_size, head_dim ** -0.5)  # cache now holds k, v
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 

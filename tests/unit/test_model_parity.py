@@ -16,10 +16,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from inflight.model.attention import AttentionMetadata
+from inflight.model.attention import StepMetadata
 from inflight.model.config import ModelConfig
-from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
+from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.rotary import compute_inv_freq
+from inflight.platform import resolve_dtype
 from tests.unit.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
 
 BLOCK_SIZE = 4
@@ -59,10 +60,11 @@ class PagedRunner:
         self.caches = allocate_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
 
     def step(self, rows, all_logits: bool = False) -> torch.Tensor:
-        meta = AttentionMetadata.build([(start, len(toks), table) for toks, start, table in rows],
-                                       BLOCK_SIZE, "cpu")
+        meta = StepMetadata.build([(start, len(toks), table) for toks, start, table in rows],
+                                  BLOCK_SIZE, "cpu")
         input_ids = torch.tensor([t for toks, _, _ in rows for t in toks])
-        hidden = self.model(input_ids, meta.positions, self.caches, meta)
+        attn = self.model.attention_backend.build_metadata(meta)
+        hidden = self.model(input_ids, meta.positions, self.caches, attn)
         if not all_logits:
             hidden = hidden[meta.last_token_indices]
         return self.model.compute_logits(hidden)
@@ -225,10 +227,10 @@ def test_smollm2_config(smollm2_dir):
     config = ModelConfig.from_dir(smollm2_dir)
     assert config.tie_word_embeddings and config.num_key_value_heads == 3
     assert config.eos_token_ids == [2] and config.rope_scaling is None
-    assert resolve_dtype("auto", config, "cpu") == torch.float32
-    assert resolve_dtype("bfloat16", config, "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
-        resolve_dtype("int8", config, "cpu")
+        resolve_dtype("int8", "cpu")
 
 
 def test_loader_reads_sharded_checkpoint(tmp_path):

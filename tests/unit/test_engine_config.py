@@ -1,0 +1,80 @@
+"""The GPU fast-path knobs: config.pbtxt parameters → ExecutorConfig, their checks and defaults
+(no torch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ensemble.errors import ConfigError
+from inflight.executor.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig
+from inflight.serving import params
+from inflight.serving.params import KNOBS, template_defaults
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def test_knobs_from_pbtxt_parameters():
+    config = params.executor_config({"attention_backend": "torch", "cuda_graph_mode": "true",
+                                     "cuda_graph_cache_size": "4", "multi_block_mode": "false",
+                                     "enable_context_fmha_fp32_acc": "1", "device": "cuda"})
+    assert config.attention_backend == "torch"
+    assert config.extended_runtime_perf_knob_config == ExtendedRuntimePerfKnobConfig(
+        multi_block_mode=False, enable_context_fmha_fp32_acc=True, cuda_graph_mode=True,
+        cuda_graph_cache_size=4)
+
+
+def test_unset_and_unfilled_knobs_keep_the_dataclass_defaults():
+    assert params.executor_config({}) == ExecutorConfig()
+    assert ExecutorConfig().attention_backend == "auto"
+    assert ExecutorConfig().extended_runtime_perf_knob_config == ExtendedRuntimePerfKnobConfig(
+        multi_block_mode=True, enable_context_fmha_fp32_acc=False, cuda_graph_mode=False,
+        cuda_graph_cache_size=0)  # TensorRT-LLM's defaults
+
+
+def test_builder_renders_the_declared_defaults():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import build_repository
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert template_defaults() == {"attention_backend": "auto", "cuda_graph_mode": "false",
+                                   "cuda_graph_cache_size": "0", "multi_block_mode": "true",
+                                   "enable_context_fmha_fp32_acc": "false"}
+    for knob in KNOBS:
+        assert build_repository.DEFAULTS[knob.key] == template_defaults()[knob.key]
+        # The rendered default reads back as the dataclass default.
+        assert knob.read({knob.key: template_defaults()[knob.key]}, knob.key, None) == knob.default
+    template = (TOOLS.parent / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
+    for knob in KNOBS:
+        assert f'key: "{knob.key}"\n  value: {{ string_value: "${{{knob.key}}}" }}' in template
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"attention_backend": "flash"}, "attention_backend must be auto, torch or triton, got 'flash'"),
+    ({"attention_backend": "triton", "device": "cpu"},
+     "attention_backend 'triton' needs a CUDA device, but device is 'cpu'"),
+    ({"cuda_graph_mode": "true", "device": "cpu"}, "cuda_graph_mode needs a CUDA device"),
+    ({"cuda_graph_mode": "maybe"}, "parameter cuda_graph_mode must be true or false"),
+    ({"cuda_graph_cache_size": "-1"}, "cuda_graph_cache_size must be >= 0, got -1"),
+    ({"cuda_graph_cache_size": "all"}, "parameter cuda_graph_cache_size must be an integer"),
+])
+def test_bad_knobs_fail_with_the_parameter_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        params.executor_config(values)
+
+
+@pytest.mark.parametrize("max_batch_size, cache_size, sizes", [
+    (1, 0, (1,)),
+    (8, 0, (1, 2, 4, 8)),
+    (12, 0, (1, 2, 4, 8, 12)),
+    (50, 0, (1, 2, 4, 8, 16, 32, 48, 50)),
+    (64, 0, (1, 2, 4, 8, 16, 32, 48, 64)),
+    (64, 3, (1, 2, 4)),
+    (4, 10, (1, 2, 4)),
+])
+def test_cuda_graph_batch_size_buckets(max_batch_size, cache_size, sizes):
+    knobs = ExtendedRuntimePerfKnobConfig(cuda_graph_mode=True, cuda_graph_cache_size=cache_size)
+    assert knobs.cuda_graph_batch_sizes(max_batch_size) == sizes

@@ -21,13 +21,11 @@ and the launcher exits 0. A second signal ends the drain at once.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import queue
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -43,7 +41,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
 
 from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
 
@@ -166,24 +167,6 @@ def wait_ready(process: subprocess.Popen, host: str, http_port: int, timeout_s: 
     raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
 
-def _die_with_parent():
-    """A preexec_fn that has the kernel SIGKILL the child when the thread that started it ends
-    (PR_SET_PDEATHSIG), so no server outlives its launcher, even one killed with SIGKILL.
-    Linux only; elsewhere None. libc is resolved here: the forked child must not import."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec():
-        prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
 @dataclass
 class Launched:
     """A started tritonserver, the scratch directory to remove after it stops, and the signer of
@@ -196,55 +179,46 @@ class Launched:
 
 def launch(args, extra_env: dict[str, str] | None = None) -> Launched:
     """Start the server in its own session, tied to the calling thread's life (see
-    `_die_with_parent`); stop it with `stop`."""
+    `supervisor.die_with_parent`); stop it with `stop`."""
     work_dir = Path(tempfile.mkdtemp(prefix="triton-launch-"))
     backend_dir = None if args.tritonserver else python_backend_dir(work_dir)
     cmd = server_command(args, backend_dir)
     secret = new_secret()
     log = open(args.log_file, "ab") if args.log_file else None
     process = subprocess.Popen(cmd, env={**server_env(secret), **(extra_env or {})},
-                               start_new_session=True, preexec_fn=_die_with_parent(),
+                               start_new_session=True, preexec_fn=die_with_parent(),
                                stdout=log or None, stderr=subprocess.STDOUT if log else None)
     return Launched(process, work_dir, ControlAuth(secret.encode()))
 
 
 def stop(process: subprocess.Popen, timeout_s: float = TRITON_EXIT_TIMEOUT_S + 20) -> None:
-    """SIGTERM the server and wait; SIGKILL its whole process group (the python stubs too) if
-    it does not exit in time, and any stub left behind once it has."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"tritonserver did not stop within {timeout_s:.0f} s; killing it", file=sys.stderr)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
+    """Stop the server (SIGTERM) and its python stubs; no drain."""
+    terminate(process, timeout_s, "tritonserver")
+
+
+def _stop_request_inputs() -> list:
+    """The tensors of NVIDIA's `stop` request to the engine model."""
+    values = {"input_ids": np.ones((1, 1), dtype=np.int32), "input_lengths": np.ones((1, 1), dtype=np.int32),
+              "request_output_len": np.ones((1, 1), dtype=np.int32), "stop": np.ones((1, 1), dtype=np.bool_)}
+    inputs = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BOOL" if name == "stop" else "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
 
 
 def drain(launched: Launched, args, hurry: threading.Event) -> bool:
     """Ask the engine model to drain (see inflight/serving/drain.py) and wait until it has:
     every request in flight finished or ended. `hurry` (a second signal) asks again with no
     grace. False if the engine could not be asked or did not answer."""
-    def stop_inputs():
-        one = np.ones((1, 1), dtype=np.int32)
-        inputs = [grpcclient.InferInput(name, [1, 1], "INT32")
-                  for name in ("input_ids", "input_lengths", "request_output_len")]
-        for tensor in inputs:
-            tensor.set_data_from_numpy(one)
-        stop_flag = grpcclient.InferInput("stop", [1, 1], "BOOL")
-        stop_flag.set_data_from_numpy(np.ones((1, 1), dtype=np.bool_))
-        return inputs + [stop_flag]
-
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(f"{local_host(args.host)}:{args.grpc_port}")
     try:
         client.start_stream(callback=lambda result, error: answers.put(error))
 
         def ask(grace_s):
-            client.async_stream_infer(args.tensorrt_llm_model_name, stop_inputs(),
+            client.async_stream_infer(args.tensorrt_llm_model_name, _stop_request_inputs(),
                                       request_id=launched.auth.drain_id(grace_s),
                                       enable_empty_final_response=True)
 
@@ -254,6 +228,7 @@ def drain(launched: Launched, args, hurry: threading.Event) -> bool:
         while time.monotonic() < deadline:
             if hurry.is_set() and not is_hurried:
                 is_hurried = True
+                print("second signal: ending the requests in flight now", flush=True)
                 ask(0)
             try:
                 error = answers.get(timeout=0.2)
@@ -276,32 +251,6 @@ def wait_ensembles_unloaded(args, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while health(args.host, args.http_port) == 400 and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-class StopSignals:
-    """SIGTERM and SIGINT, handled in one place. The first asks for a graceful stop, the next
-    ones to hurry. The handlers only set events; the main thread acts on them."""
-
-    def __init__(self):
-        self.stop = threading.Event()
-        self.hurry = threading.Event()
-
-    def install(self) -> "StopSignals":
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        (self.hurry if self.stop.is_set() else self.stop).set()
-
-
-def watch(children: list[subprocess.Popen], stop: threading.Event) -> subprocess.Popen | None:
-    """Wait until `stop` is set (None) or a child exits (that child)."""
-    while not stop.wait(0.5):
-        for child in children:
-            if child.poll() is not None:
-                return child
-    return None
 
 
 def shutdown(launched: Launched, args, signals: StopSignals) -> None:

@@ -25,6 +25,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 def overdue_message(grace_s: float) -> str:
+    if grace_s <= 0:  # a second signal, or --exit_timeout 0
+        return f"{SHUTDOWN_MESSAGE}: this request was stopped without a drain period"
     return (f"{SHUTDOWN_MESSAGE}: this request was still running when the {grace_s:g} s drain "
             "period ended, so it was stopped")
 
@@ -75,3 +77,12 @@ def dependent_ensembles(model_dir: str | Path, model_name: str) -> list[str]:
         if config.platform == "ensemble" and any(s.model_name == model_name for s in steps):
             names.append(config.name or path.parent.name)
     return names
+
+
+def unload_dependent_ensembles(model_dir, model_name: str, unload, log_warn) -> None:
+    """Unload (`unload(name)`, i.e. `pb_utils.unload_model`) each of `dependent_ensembles`."""
+    for name in dependent_ensembles(model_dir, model_name):
+        try:
+            unload(name)
+        except Exception as exc:
+            log_warn(f"could not unload {name} for the drain: {exc}")

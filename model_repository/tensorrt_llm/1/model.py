@@ -163,15 +163,10 @@ class TritonPythonModel:
             return
         pb_utils.Logger.log_info(f"{self.model_name}: draining for shutdown; {num_pending} requests "
                                  f"in flight get {grace_s:g} s to finish")
-
-        def unload_ensembles():  # new ensemble requests fail at once; readiness turns false
-            for name in drain.dependent_ensembles(self.model_dir, self.model_name):
-                try:
-                    pb_utils.unload_model(name)
-                except Exception as exc:
-                    pb_utils.Logger.log_warn(f"could not unload {name} for the drain: {exc}")
-
-        threading.Thread(target=unload_ensembles, daemon=True).start()
+        # New ensemble requests then fail at once, and readiness turns false.
+        threading.Thread(target=drain.unload_dependent_ensembles, daemon=True,
+                         args=(self.model_dir, self.model_name, pb_utils.unload_model,
+                               pb_utils.Logger.log_warn)).start()
 
     def _drain_tick(self):
         """Ends overdue requests, and answers the drain requests once none is left."""
@@ -181,7 +176,11 @@ class TritonPythonModel:
             self._fail_all(drain.overdue_message(self.drain.grace_s), pb_utils.TritonError.UNAVAILABLE)
         with self.lock:
             waiters = self.drain.take_waiters() if not self.by_key else []
-        for sender in waiters:
+        self._answer(waiters)
+
+    @staticmethod
+    def _answer(senders):
+        for sender in senders:
             sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
 
     def _fail_all(self, message, code):
@@ -346,8 +345,7 @@ class TritonPythonModel:
         self._fail_all("the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)
         with self.lock:
             waiters = self.drain.take_waiters()
-        for sender in waiters:
-            sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+        self._answer(waiters)
         self.executor.shutdown()
         # Metrics must go before their families.
         self.gauge_metrics.clear()

@@ -7,7 +7,10 @@ client's stop by their request id:
   asks the engine to stop the request that chunk came from, named by the chunk's
   `request_key`. Id: `inflight-cancel-key:<key>:<mac>`.
 - **drain** (launcher → tensorrt_llm): the server is shutting down; refuse new requests, let
-  the ones in flight finish for `grace_ms`, then end the rest. Id: `inflight-drain:<grace_ms>:<mac>`.
+  the ones in flight finish for `grace_ms`, then end the rest.
+  Id: `inflight-drain:<grace_ms>:<issued_ms>:<mac>`; valid for `DRAIN_ID_TTL_S` after it was
+  issued, so one seen in a verbose log cannot stop a later run (each run has its own secret
+  anyway) or, a minute later, this one.
 
 Request keys are 64 random bits, drawn per request, so no client can guess another's. The MAC
 is an HMAC-SHA256 under a secret the launcher draws per run and hands to tritonserver (and so to
@@ -24,12 +27,14 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from dataclasses import dataclass
 
 from ensemble.io_contract import CANCEL_KEY_PREFIX
 
 SECRET_ENV_VAR = "INFLIGHT_CONTROL_SECRET"
 DRAIN_PREFIX = "inflight-drain:"
+DRAIN_ID_TTL_S = 60
 _MAC_HEX_CHARS = 32  # 128 bits of HMAC-SHA256
 
 
@@ -83,18 +88,22 @@ class ControlAuth:
 
     # ----- drain ---------------------------------------------------------------------------
 
-    def drain_id(self, grace_s: float) -> str:
+    def drain_id(self, grace_s: float, now_s: float | None = None) -> str:
         if self.secret is None:
             raise ValueError(f"a drain request needs {SECRET_ENV_VAR}")
         grace_ms = max(0, round(grace_s * 1000))
-        return f"{DRAIN_PREFIX}{grace_ms}:{self._mac(f'drain:{grace_ms}')}"
+        issued_ms = round((time.time() if now_s is None else now_s) * 1000)
+        return f"{DRAIN_PREFIX}{grace_ms}:{issued_ms}:{self._mac(f'drain:{grace_ms}:{issued_ms}')}"
 
-    def parse_drain_id(self, request_id: str) -> float | None:
-        """The grace period in seconds of a genuine drain id; None otherwise."""
+    def parse_drain_id(self, request_id: str, now_s: float | None = None) -> float | None:
+        """The grace period in seconds of a genuine, fresh drain id; None otherwise."""
         if not request_id.startswith(DRAIN_PREFIX):
             return None
-        grace_ms, _, mac = request_id[len(DRAIN_PREFIX):].partition(":")
-        if not grace_ms.isdigit() or not self._verify(f"drain:{grace_ms}", mac):
+        grace_ms, issued_ms, mac = (request_id[len(DRAIN_PREFIX):].split(":") + ["", ""])[:3]
+        if not (grace_ms.isdigit() and issued_ms.isdigit()):
+            return None
+        age_s = (time.time() if now_s is None else now_s) - int(issued_ms) / 1000
+        if abs(age_s) > DRAIN_ID_TTL_S or not self._verify(f"drain:{grace_ms}:{issued_ms}", mac):
             return None
         return int(grace_ms) / 1000.0
 

@@ -143,8 +143,9 @@ def local_host(host: str) -> str:
 
 def health(host: str, http_port: int) -> int | None:
     """The HTTP status of /v2/health/ready, or None if the server does not answer."""
+    url = f"http://{local_host(host)}:{http_port}/v2/health/ready"
     try:
-        with urllib.request.urlopen(f"http://{local_host(host)}:{http_port}/v2/health/ready", timeout=1) as reply:
+        with urllib.request.urlopen(url, timeout=1) as reply:
             return reply.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -185,7 +186,8 @@ def launch(args, extra_env: dict[str, str] | None = None) -> Launched:
     cmd = server_command(args, backend_dir)
     secret = new_secret()
     log = open(args.log_file, "ab") if args.log_file else None
-    process = subprocess.Popen(cmd, env={**server_env(secret), **(extra_env or {})},
+    env = {**server_env(secret), **(extra_env or {}), SECRET_ENV_VAR: secret}
+    process = subprocess.Popen(cmd, env=env,
                                start_new_session=True, preexec_fn=die_with_parent(),
                                stdout=log or None, stderr=subprocess.STDOUT if log else None)
     return Launched(process, work_dir, ControlAuth(secret.encode()))

@@ -145,7 +145,8 @@ def test_a_client_cannot_move_the_log_or_trace_files(server, tmp_path):
 def test_clients_keep_inference_metadata_configs_statistics_and_the_secret_stays_private(server):
     for path in ("/v2/health/ready", "/v2", "/v2/models/ensemble", "/v2/models/stats"):
         assert _http(server.http_url, path)[0] == 200, path
-    config = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}").get_model_config("tensorrt_llm")
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    config = http.get_model_config("tensorrt_llm")
     assert config["name"] == "tensorrt_llm"
     secret = server.control_secret.decode()
     assert secret not in json.dumps(config)
@@ -198,7 +199,8 @@ def test_one_client_cannot_stop_another_clients_stream(server):
         forged = ([f"{CANCEL_KEY_PREFIX}{k}" for k in range(1, 101)]  # the old sequential keys
                   + [f"{CANCEL_KEY_PREFIX}{k + d}" for k in keys for d in range(-20, 21)]
                   + [f"{CANCEL_KEY_PREFIX}{k}:{'0' * 32}" for k in keys]  # a made-up MAC
-                  + ["inflight-drain:0", f"inflight-drain:0:{secrets.token_hex(16)}"]
+                  + ["inflight-drain:0",
+                     f"inflight-drain:0:{int(time.time() * 1000)}:{secrets.token_hex(16)}"]
                   + [str(i) for i in range(1, 21)] + ["ensemble", victim.upper(), victim[:-1]])
         assert _send_stops(server, forged) == [None] * len(forged)  # answered as NVIDIA does
         rest = collect(results, timeout_s=300)

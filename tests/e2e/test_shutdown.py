@@ -60,8 +60,9 @@ class Launcher:
         deadline = time.monotonic() + timeout_s
         while "tritonserver ready" not in self.output.get(timeout=max(0.1, deadline - time.monotonic())):
             pass
-        [pid] = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                 and f"--http-port={self.ports[0]}".encode() in _cmdline(p) and b"tritonserver" in _cmdline(p)]
+        flag = f"--http-port={self.ports[0]}".encode()
+        [pid] = [int(p.name) for p in Path("/proc").iterdir()
+                 if p.name.isdigit() and flag in _cmdline(p) and b"tritonserver" in _cmdline(p)]
         return pid
 
     def stop(self):
@@ -150,7 +151,8 @@ def test_sigterm_drains_live_streams_then_exits_0(repository, tmp_path):
         server = launcher.server
         short, longs = Stream(server, SHORT), [Stream(server, LONG) for _ in range(2)]
         http_lines = []
-        http_long = threading.Thread(target=lambda: http_lines.extend(server.http_generate(LONG, stream=True)))
+        http_long = threading.Thread(
+            target=lambda: http_lines.extend(server.http_generate(LONG, stream=True)))
         http_long.start()
         for stream in longs:
             assert stream.first.wait(120)
@@ -175,7 +177,8 @@ def test_sigterm_drains_live_streams_then_exits_0(repository, tmp_path):
         assert launcher.process.wait(timeout=120) == 0
         assert _eventually(lambda: not _group(pid) and _ports_free(launcher.ports), timeout_s=30)
         # Triton found nothing left to wait for when it was told to stop.
-        assert not re.findall(r"has [1-9]\d* in-flight inferences", server.log_file.read_text(errors="replace"))
+        log = server.log_file.read_text(errors="replace")
+        assert not re.findall(r"has [1-9]\d* in-flight inferences", log)
     finally:
         launcher.stop()
 

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
-from ensemble import params
+from ensemble import control, lifeline, params
 from ensemble.errors import InputError
-from ensemble import control, lifeline
 from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
 from inflight.serving import convert, drain, faults, metrics
@@ -181,13 +180,17 @@ class TritonPythonModel:
     @staticmethod
     def _answer(senders):
         for sender in senders:
-            sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+            try:
+                sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+            except Exception as exc:  # the launcher went away; keep draining
+                pb_utils.Logger.log_warn(f"answering a drain request failed: {exc}")
 
     def _fail_all(self, message, code):
         """End every request in flight with a final error, and cancel it in the executor."""
         with self.lock:
             victims = list(self.by_key.values())
-            open_ids = {p: [i for i in p.rows if self.by_executor_id.pop(i, None)] for p in victims}
+            open_ids = {p: [i for i in p.rows if self.by_executor_id.pop(i, None) is not None]
+                        for p in victims}
             for pending in victims:
                 self._forget(pending)
         for pending, executor_ids in open_ids.items():

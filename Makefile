@@ -13,6 +13,8 @@ METRICS_PORT ?= 8002
 HOST ?= 127.0.0.1
 # Extra tools/build_repository.py flags, e.g. BUILD_ARGS="--batch_scheduler_policy max_utilization"
 BUILD_ARGS ?=
+# Extra tools/launch_triton_server.py flags, e.g. SERVE_ARGS="--exit_timeout 60"
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup model repository serve test test-unit test-e2e bench gpu-smoke clean
@@ -37,7 +39,7 @@ repository: model
 
 serve: repository
 	$(PY) tools/launch_triton_server.py --model_repo $(REPO) --host $(HOST) \
-		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT)
+		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT) $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

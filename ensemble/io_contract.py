@@ -193,7 +193,8 @@ ENSEMBLE = ModelIO(
 # Triton tells an ensemble's running step nothing when the client cancels: only steps started
 # afterwards see `is_cancelled()`. The detokenizer is such a step (it runs once per streamed
 # chunk), so when it sees a cancelled chunk it sends the engine model a `stop` request whose
-# request id is this prefix + the chunk's `request_key`, and the engine cancels that request.
+# request id is this prefix + the chunk's `request_key` (64 random bits) + a MAC, and the engine
+# cancels that request. `ensemble.control` signs and checks these ids.
 CANCEL_KEY_PREFIX = "inflight-cancel-key:"
 
 # Generated ids preceding a streamed chunk that the engine model sends along with it

@@ -1,4 +1,4 @@
-"""Start tritonserver on a model repository, with what the python backend needs.
+"""Start tritonserver on a model repository, own it, and stop it gracefully.
 
     python tools/launch_triton_server.py --model_repo build/repository [--http_port 8000]
 
@@ -6,23 +6,61 @@ The server binary and python backend come from the `nvidia-pytriton` wheel unles
 `--tritonserver PATH` names another binary (an NGC container's, say). The python backend stub
 runs isolated (it ignores PYTHONPATH) and takes its `sys.prefix` from the first `python3` on
 PATH, so this launcher puts the running interpreter's `bin/` first on PATH: the stub then sees
-this virtual environment's packages. It binds 127.0.0.1 unless `--host` says otherwise, waits
-until the server is ready, and stops it cleanly on Ctrl-C.
+this virtual environment's packages. It binds 127.0.0.1 unless `--host` says otherwise.
+
+Control plane: clients may infer and read health, metadata, model configs and statistics. The
+model-repository (load, unload, upload), shared-memory, trace and logging APIs are closed, over
+HTTP and gRPC, unless `--admin_header NAME=VALUE` opens them to requests carrying that header.
+
+Lifetime: the server dies with the launcher, even when the launcher is killed. SIGTERM or SIGINT
+(Ctrl-C) drains: readiness turns false and new requests are refused at once, requests in flight
+get `--exit_timeout` seconds to finish, the rest end with a clear error, then the server stops
+and the launcher exits 0. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import re
+import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+# Imported up front: importing them when a signal arrives would delay the drain by a second.
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
+
+from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
+
+# API categories only an operator may use. Clients keep health, metadata, inference,
+# model-config (perf_analyzer and genai-perf read it) and statistics.
+ADMIN_APIS = "model-repository,shared-memory,trace,logging"
+# With no --admin_header, the admin APIs are restricted to a header no client can send, over
+# either protocol: gRPC rejects header names with capitals, and HTTP/1 drops the leading
+# space of a header value. The random part is never stored anywhere.
+CLOSED_HEADER_NAME = "Admin-Api-Disabled"
+ADMIN_HEADER = re.compile(r"([a-z0-9][a-z0-9-]*)=([A-Za-z0-9._~+/-]{16,})")
+# Triton's own wait on SIGTERM (its default). The drain has ended every request already, but
+# unloading the python models takes several seconds on a busy CPU.
+TRITON_EXIT_TIMEOUT_S = 30
+# How long the drain may run past its grace period (the last responses, the final steps).
+DRAIN_SLACK_S = 30
 
 
 class ServerError(RuntimeError):
@@ -55,14 +93,24 @@ def python_backend_dir(work_dir: Path) -> Path:
     return backends
 
 
-def server_env() -> dict[str, str]:
+def server_env(secret: str) -> dict[str, str]:
     env = dict(os.environ)
     libs = [str(pytriton_root().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs + [env.get("LD_LIBRARY_PATH", "")] if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env[SECRET_ENV_VAR] = secret  # the environment is readable by this user only, unlike argv
     return env
+
+
+def admin_api_flags(admin_header: str | None) -> list[str]:
+    if admin_header:
+        name, value = admin_header.split("=", 1)
+    else:
+        name, value = CLOSED_HEADER_NAME, " " + secrets.token_hex(16)
+    restriction = f"{ADMIN_APIS}:{name}={value}"
+    return [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
 
 
 def server_command(args, backend_dir: Path | None) -> list[str]:
@@ -74,8 +122,11 @@ def server_command(args, backend_dir: Path | None) -> list[str]:
            f"--metrics-address={args.host}",
            "--disable-auto-complete-config",
            # Explicit control with everything loaded behaves like the default mode, and lets a
-           # model whose engine died unload itself so its readiness endpoint says so.
+           # model unload itself (in process, not through the closed API): a dead engine so its
+           # readiness says so, and the ensemble when a drain begins.
            "--model-control-mode=explicit", "--load-model=*",
+           *admin_api_flags(args.admin_header),
+           f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
            "--backend-config=python,shm-region-prefix-name=" + args.shm_prefix,
            f"--log-verbose={args.log_verbose}"]
     if backend_dir is not None:
@@ -85,41 +136,133 @@ def server_command(args, backend_dir: Path | None) -> list[str]:
     return cmd + list(args.extra or [])
 
 
-def wait_ready(process: subprocess.Popen, host: str, http_port: int, timeout_s: float) -> None:
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{http_port}/v2/health/ready"
+def local_host(host: str) -> str:
+    """An address that reaches a server bound to `host` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def health(host: str, http_port: int) -> int | None:
+    """The HTTP status of /v2/health/ready, or None if the server does not answer."""
+    url = f"http://{local_host(host)}:{http_port}/v2/health/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def wait_ready(process: subprocess.Popen, host: str, http_port: int, timeout_s: float,
+               stop: threading.Event | None = None) -> bool:
+    """True once the server is ready; False if `stop` was set first."""
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
+        if health(host, http_port) == 200:
+            return True
+        if stop.wait(0.25):
+            return False
     raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
 
-def launch(args, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """Start the server; returns it and the scratch directory to remove after it stops."""
+@dataclass
+class Launched:
+    """A started tritonserver, the scratch directory to remove after it stops, and the signer of
+    control requests to its engine model (the secret is in the server's environment)."""
+
+    process: subprocess.Popen
+    work_dir: Path
+    auth: ControlAuth
+
+
+def launch(args, extra_env: dict[str, str] | None = None) -> Launched:
+    """Start the server in its own session, tied to the calling thread's life (see
+    `supervisor.die_with_parent`); stop it with `stop`."""
     work_dir = Path(tempfile.mkdtemp(prefix="triton-launch-"))
     backend_dir = None if args.tritonserver else python_backend_dir(work_dir)
     cmd = server_command(args, backend_dir)
+    secret = new_secret()
     log = open(args.log_file, "ab") if args.log_file else None
-    process = subprocess.Popen(cmd, env={**server_env(), **(extra_env or {})}, start_new_session=True,
+    env = {**server_env(secret), **(extra_env or {}), SECRET_ENV_VAR: secret}
+    process = subprocess.Popen(cmd, env=env,
+                               start_new_session=True, preexec_fn=die_with_parent(),
                                stdout=log or None, stderr=subprocess.STDOUT if log else None)
-    return process, work_dir
+    return Launched(process, work_dir, ControlAuth(secret.encode()))
 
 
-def stop(process: subprocess.Popen, timeout_s: float = 30) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+def stop(process: subprocess.Popen, timeout_s: float = TRITON_EXIT_TIMEOUT_S + 20) -> None:
+    """Stop the server (SIGTERM) and its python stubs; no drain."""
+    terminate(process, timeout_s, "tritonserver")
+
+
+def _stop_request_inputs() -> list:
+    """The tensors of NVIDIA's `stop` request to the engine model."""
+    values = {"input_ids": np.ones((1, 1), dtype=np.int32), "input_lengths": np.ones((1, 1), dtype=np.int32),
+              "request_output_len": np.ones((1, 1), dtype=np.int32), "stop": np.ones((1, 1), dtype=np.bool_)}
+    inputs = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BOOL" if name == "stop" else "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def drain(launched: Launched, args, hurry: threading.Event) -> bool:
+    """Ask the engine model to drain (see inflight/serving/drain.py) and wait until it has:
+    every request in flight finished or ended. `hurry` (a second signal) asks again with no
+    grace. False if the engine could not be asked or did not answer."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"{local_host(args.host)}:{args.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error))
+
+        def ask(grace_s):
+            client.async_stream_infer(args.tensorrt_llm_model_name, _stop_request_inputs(),
+                                      request_id=launched.auth.drain_id(grace_s),
+                                      enable_empty_final_response=True)
+
+        ask(args.exit_timeout)
+        is_hurried = False
+        deadline = time.monotonic() + args.exit_timeout + DRAIN_SLACK_S
+        while time.monotonic() < deadline:
+            if hurry.is_set() and not is_hurried:
+                is_hurried = True
+                print("second signal: ending the requests in flight now", flush=True)
+                ask(0)
+            try:
+                error = answers.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if error is not None:
+                print(f"the drain request failed: {error}", file=sys.stderr)
+            return error is None
+        print("the engine model did not finish draining in time", file=sys.stderr)
+        return False
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def wait_ensembles_unloaded(args, timeout_s: float = 10) -> None:
+    """After a drain the ensembles may still run their last detokenizer steps. Strict readiness
+    answers 400 while a model unloads and 200 once it is gone, so wait for 200: stopping Triton
+    earlier would strand those steps (its SIGTERM stops every scheduler)."""
+    deadline = time.monotonic() + timeout_s
+    while health(args.host, args.http_port) == 400 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def shutdown(launched: Launched, args, signals: StopSignals) -> None:
+    print(f"draining: new requests are refused; requests in flight get {args.exit_timeout:g} s",
+          flush=True)
+    if drain(launched, args, signals.hurry):
+        wait_ensembles_unloaded(args)
+    print("stopping tritonserver", flush=True)
+    stop(launched.process)
+    print(f"tritonserver stopped (exit code {launched.process.returncode})", flush=True)
 
 
 def parse_args(argv=None):
@@ -130,39 +273,52 @@ def parse_args(argv=None):
     parser.add_argument("--grpc_port", type=int, default=8001)
     parser.add_argument("--metrics_port", type=int, default=8002)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    parser.add_argument("--exit_timeout", type=float, default=30,
+                        help="seconds requests in flight get to finish on SIGTERM/SIGINT (default 30)")
+    parser.add_argument("--admin_header", metavar="NAME=VALUE",
+                        help="open the model-repository, shared-memory, trace and logging APIs to "
+                             "requests with this header (gRPC: triton-grpc-protocol-NAME); VALUE: "
+                             "16 or more of A-Z a-z 0-9 . _ ~ + / -")
+    parser.add_argument("--tensorrt_llm_model_name", default="tensorrt_llm",
+                        help="the engine model, which drains on shutdown")
     parser.add_argument("--log", action="store_true", help="verbose logging (to --log-file if given)")
     parser.add_argument("--log-file", "--log_file", dest="log_file", help="write the server log here")
     parser.add_argument("--shm_prefix", default=f"inflight{os.getpid()}_",
                         help="python backend shared-memory prefix (unique per server)")
     parser.add_argument("--ready_timeout", type=float, default=300)
-    parser.add_argument("--no-wait", action="store_true", help="start the server and exit")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
     args = parser.parse_args(argv)
+    if args.admin_header and not ADMIN_HEADER.fullmatch(args.admin_header):
+        parser.error("--admin_header must be NAME=VALUE: NAME lowercase letters, digits and '-'; "
+                     "VALUE 16 or more of A-Z a-z 0-9 . _ ~ + / -")
+    if args.exit_timeout < 0:
+        parser.error("--exit_timeout must be >= 0")
     args.log_verbose = 1 if args.log else 0
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    process, work_dir = launch(args)
+    signals = StopSignals().install()
+    launched = launch(args)
     try:
-        wait_ready(process, args.host, args.http_port, args.ready_timeout)
-        print(f"tritonserver ready: http {args.host}:{args.http_port}, grpc {args.host}:{args.grpc_port}, "
-              f"metrics {args.host}:{args.metrics_port} (Ctrl-C stops it)", flush=True)
-        if args.no_wait:
+        if not wait_ready(launched.process, args.host, args.http_port, args.ready_timeout, signals.stop):
+            print("stopped before the server was ready", flush=True)
             return 0
-        signal.signal(signal.SIGTERM, lambda *_: stop(process))
-        return process.wait()
-    except KeyboardInterrupt:
-        print("stopping tritonserver", flush=True)
+        print(f"tritonserver ready: http {args.host}:{args.http_port}, grpc {args.host}:{args.grpc_port}, "
+              f"metrics {args.host}:{args.metrics_port} (Ctrl-C or SIGTERM drains and stops it)", flush=True)
+        exited = watch([launched.process], signals.stop)
+        if exited is not None:
+            print(f"error: tritonserver exited with code {exited.returncode}", file=sys.stderr)
+            return 1
+        shutdown(launched, args, signals)
         return 0
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if not args.no_wait:
-            stop(process)
-            shutil.rmtree(work_dir, ignore_errors=True)
+        stop(launched.process)
+        shutil.rmtree(launched.work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ class Server:
     grpc_port: int
     metrics_port: int
     log_file: Path
+    pid: int = 0  # tritonserver's
+    control_secret: bytes | None = None  # signs control requests (ensemble.control)
 
     @property
     def grpc_url(self) -> str:
@@ -214,17 +216,18 @@ def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None =
         "--model_repo", str(work_dir / "repo"), "--http_port", str(http_port),
         "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
         "--log-file", str(log_file), "--shm_prefix", f"inflighttest{http_port}_"])
-    process, scratch = launch_triton_server.launch(launch_args, env)
-    server = Server(http_port, grpc_port, metrics_port, log_file)
+    launched = launch_triton_server.launch(launch_args, env)
+    server = Server(http_port, grpc_port, metrics_port, log_file, launched.process.pid,
+                    launched.auth.secret)
     try:
         try:
-            launch_triton_server.wait_ready(process, "127.0.0.1", http_port, timeout_s=300)
+            launch_triton_server.wait_ready(launched.process, "127.0.0.1", http_port, timeout_s=300)
         except launch_triton_server.ServerError as exc:
             raise RuntimeError(f"{exc}\n--- server log ---\n{server.log_tail()}") from None
         yield server
     finally:
-        launch_triton_server.stop(process)
-        shutil.rmtree(scratch, ignore_errors=True)
+        launch_triton_server.stop(launched.process)
+        shutil.rmtree(launched.work_dir, ignore_errors=True)
     # At shutdown Triton lists requests that never finished: none may be left behind.
     leaked = re.findall(r"has ([1-9]\d*) in-flight inferences", log_file.read_text(errors="replace"))
     if leaked:

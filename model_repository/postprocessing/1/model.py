@@ -7,8 +7,9 @@ decoded in context without state here. Parameters: tokenizer_dir, skip_special_t
 (default true), trust_remote_code (default false).
 
 Cancellation relay: a chunk whose request is cancelled means the client left; this model then
-asks `tensorrt_llm` to stop generating for it (see `CANCEL_KEY_PREFIX`), since Triton does not
-tell the engine, the ensemble's running step, itself.
+asks `tensorrt_llm` to stop generating for it, since Triton does not tell the engine, the
+ensemble's running step, itself. The stop names the request by its random key and is signed
+(`ensemble.control`), so no client can send one.
 """
 
 import collections
@@ -17,8 +18,8 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble import params
-from ensemble.io_contract import CANCEL_KEY_PREFIX
+from ensemble import lifeline, params
+from ensemble.control import ControlAuth
 from postprocessing.detokenizer import Detokenizer
 from preprocessing.loader import load_tokenizer
 
@@ -32,6 +33,7 @@ def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
 
 class TritonPythonModel:
     def initialize(self, args):
+        lifeline.exit_with_server()
         model_config = json.loads(args["model_config"])
         count = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
         if count != 1:
@@ -45,6 +47,7 @@ class TritonPythonModel:
                                    trust_remote_code=params.get_bool(values, "trust_remote_code", False))
         self.detokenizer = Detokenizer(tokenizer, params.get_bool(values, "skip_special_tokens", True))
         self.stopped_keys = collections.deque(maxlen=1024)  # relayed already
+        self.auth = ControlAuth.from_env()
 
     def _relay_cancellation(self, request):
         key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
@@ -57,7 +60,7 @@ class TritonPythonModel:
         one = np.ones((1, 1), dtype=np.int32)
         stop = pb_utils.InferenceRequest(
             model_name="tensorrt_llm", requested_output_names=[],
-            request_id=f"{CANCEL_KEY_PREFIX}{key}",
+            request_id=self.auth.cancel_id(key),
             inputs=[pb_utils.Tensor("input_ids", one), pb_utils.Tensor("input_lengths", one),
                     pb_utils.Tensor("request_output_len", one),
                     pb_utils.Tensor("stop", np.ones((1, 1), dtype=np.bool_))])

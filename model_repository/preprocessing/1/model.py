@@ -10,7 +10,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble import params
+from ensemble import lifeline, params
 from ensemble.errors import InputError
 from ensemble.io_contract import PREPROCESSING
 from preprocessing.tokenizer import TextTokenizer, decode_query
@@ -27,6 +27,7 @@ def _strings(tensor) -> list[list[str]]:
 
 class TritonPythonModel:
     def initialize(self, args):
+        lifeline.exit_with_server()
         values = params.read_parameters(json.loads(args["model_config"]))
         if "tokenizer_dir" not in values:
             raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")

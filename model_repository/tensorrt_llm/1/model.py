@@ -5,23 +5,28 @@ read by `ensemble.params` and `inflight.serving.params` plus `executor_backend` 
 
 Threading: `execute` only converts and enqueues, then returns. One thread awaits executor
 responses and sends them (the final flag rides on the last one); one thread polls
-`is_cancelled()` every `cancellation_check_period_ms` and cancels in the executor. A request with
-`stop: true` cancels the in-flight requests that carry the same request id.
+`is_cancelled()` every `cancellation_check_period_ms` and cancels in the executor; one thread
+refreshes the metrics and drives a shutdown drain (`inflight.serving.drain`).
+
+A request with `stop: true` cancels the in-flight requests that carry the same request id, as in
+NVIDIA's backend: the request id is the handle, so whoever knows it can stop those requests. A
+stop whose id is a signed control id (`ensemble.control`) is ours instead: the detokenizer's
+cancel relay, naming one request by its random `request_key`, or the launcher's drain.
 """
 
-import itertools
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
-from ensemble import params
+from ensemble import control, lifeline, params
 from ensemble.errors import InputError
-from ensemble.io_contract import CANCEL_KEY_PREFIX, TENSORRT_LLM
+from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
-from inflight.serving import convert, faults, metrics
+from inflight.serving import convert, drain, faults, metrics
 from inflight.serving.backend import create_executor
 from inflight.serving.params import executor_config
 
@@ -34,7 +39,7 @@ class Pending:
 
     sender: object
     user_id: str
-    key: int
+    key: int  # random, see ensemble.control
     rows: dict = field(default_factory=dict)  # executor id -> convert.RowState
     num_open_rows: int = 0
     is_client_cancelled: bool = False
@@ -47,6 +52,7 @@ class Pending:
 
 class TritonPythonModel:
     def initialize(self, args):
+        lifeline.exit_with_server()
         model_config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         values = params.read_parameters(model_config)
@@ -65,12 +71,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(exc)) from None
         faults.install_test_hook(self.executor, os.environ.get(faults.ENV_VAR))
         self.model_name = args["model_name"]
+        self.model_dir = args["model_repository"]
         self.is_unloading = False
+        self.auth = control.ControlAuth.from_env()
+        self.drain = drain.Drain()
         self.lock = threading.Lock()
         self.by_executor_id = {}  # executor id -> Pending
         self.by_user_id = {}  # client request id -> set of Pending
         self.by_key = {}  # request key -> Pending
-        self.keys = itertools.count(1)
         self.running = True
         self._create_metrics(args["model_name"], args["model_version"])
         self.threads = [threading.Thread(target=self._respond_loop, daemon=True),
@@ -91,11 +99,15 @@ class TritonPythonModel:
                     self._send_error(sender, "the engine has stopped and the model is being unloaded; "
                                      "see the server log", pb_utils.TritonError.UNAVAILABLE)
                     continue
+                if self.drain.is_draining:
+                    self._send_error(sender, f"{drain.SHUTDOWN_MESSAGE}; retry on another server",
+                                     pb_utils.TritonError.UNAVAILABLE)
+                    continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
                                                      self.limits)
-                pending = Pending(sender, request.request_id(), next(self.keys),
-                                  num_open_rows=len(rows))
                 with self.lock:
+                    pending = Pending(sender, request.request_id(), control.new_request_key(self.by_key),
+                                      num_open_rows=len(rows))
                     ids = self.executor.enqueue_requests(rows)
                     for index, executor_id in enumerate(ids):
                         pending.rows[executor_id] = convert.RowState(index, options, pending.key)
@@ -124,17 +136,77 @@ class TritonPythonModel:
             self._send_error(sender, "A request id must be provided for request cancellation",
                              pb_utils.TritonError.INVALID_ARG)
             return
+        grace_s = self.auth.parse_drain_id(user_id)
+        if grace_s is not None:
+            self._begin_drain(grace_s, sender)  # answered once nothing is left in flight
+            return
+        key = self.auth.parse_cancel_id(user_id)
         with self.lock:
-            if user_id.startswith(CANCEL_KEY_PREFIX):  # the detokenizer saw a cancelled chunk
-                key = int(user_id[len(CANCEL_KEY_PREFIX):])
+            if key is not None:  # the detokenizer saw a cancelled chunk of this request
                 targets = [self.by_key[key]] if key in self.by_key else []
                 for pending in targets:
                     pending.is_client_cancelled = True
+            elif control.is_control_id(user_id):  # forged or stale: it stops nothing
+                targets = []
             else:
                 targets = list(self.by_user_id.get(user_id, ()))
         for pending in targets:
             self._cancel(pending)
         sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+
+    def _begin_drain(self, grace_s, sender):
+        with self.lock:
+            is_first = self.drain.begin(grace_s, sender, time.monotonic())
+            num_pending = len(self.by_key)
+        if not is_first:
+            return
+        pb_utils.Logger.log_info(f"{self.model_name}: draining for shutdown; {num_pending} requests "
+                                 f"in flight get {grace_s:g} s to finish")
+        # New ensemble requests then fail at once, and readiness turns false.
+        threading.Thread(target=drain.unload_dependent_ensembles, daemon=True,
+                         args=(self.model_dir, self.model_name, pb_utils.unload_model,
+                               pb_utils.Logger.log_warn)).start()
+
+    def _drain_tick(self):
+        """Ends overdue requests, and answers the drain requests once none is left."""
+        if not self.drain.is_draining:
+            return
+        if self.drain.is_overdue(time.monotonic()):
+            self._fail_all(drain.overdue_message(self.drain.grace_s), pb_utils.TritonError.UNAVAILABLE)
+        with self.lock:
+            waiters = self.drain.take_waiters() if not self.by_key else []
+        self._answer(waiters)
+
+    @staticmethod
+    def _answer(senders):
+        for sender in senders:
+            try:
+                sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+            except Exception as exc:  # the launcher went away; keep draining
+                pb_utils.Logger.log_warn(f"answering a drain request failed: {exc}")
+
+    def _fail_all(self, message, code):
+        """End every request in flight with a final error, and cancel it in the executor."""
+        with self.lock:
+            victims = list(self.by_key.values())
+            open_ids = {p: [i for i in p.rows if self.by_executor_id.pop(i, None) is not None]
+                        for p in victims}
+            for pending in victims:
+                self._forget(pending)
+        for pending, executor_ids in open_ids.items():
+            for executor_id in executor_ids:
+                self.executor.cancel_request(executor_id)
+            with pending.lock:
+                if pending.is_done:
+                    continue
+                pending.is_done = True
+                try:
+                    if pending.is_client_cancelled:  # nobody listens; let the ensemble finish
+                        pending.sender.send(flags=FINAL)
+                    else:
+                        self._send_error(pending.sender, message, code)
+                except Exception as exc:
+                    pb_utils.Logger.log_warn(f"ending a request failed: {exc}")
 
     @staticmethod
     def _send_error(sender, message, code):
@@ -256,6 +328,7 @@ class TritonPythonModel:
         stopped = threading.Event()
         while self.running and not stopped.wait(self.stats_period_s):
             self._unload_if_dead()
+            self._drain_tick()
             if not self.gauges:
                 continue
             stats = self.executor.get_latest_iteration_stats()
@@ -271,6 +344,11 @@ class TritonPythonModel:
         self.running = False
         for thread in self.threads:
             thread.join(timeout=5)
+        # Normally nothing is left: Triton unloads a model once its requests are done.
+        self._fail_all("the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)
+        with self.lock:
+            waiters = self.drain.take_waiters()
+        self._answer(waiters)
         self.executor.shutdown()
         # Metrics must go before their families.
         self.gauge_metrics.clear()

@@ -1,0 +1,80 @@
+"""Supervising child processes: signals handled in one place, children that cannot outlive the
+supervisor, and a stop that leaves nothing behind. Used by tools/launch_triton_server.py.
+
+A child is started in its own session (so a terminal's Ctrl-C reaches only the supervisor, which
+decides the order of shutdown) with `preexec_fn=die_with_parent()`. The supervisor installs
+`StopSignals`, `watch`es its children until a signal or a child's exit, stops what it serves
+gracefully, and ends each child with `terminate`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+PR_SET_PDEATHSIG = 1
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, handled in one place. The first asks for a graceful stop, the next
+    ones to hurry it. The handlers only set events; the main thread acts on them."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.hurry = threading.Event()
+
+    def install(self) -> "StopSignals":
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        (self.hurry if self.stop.is_set() else self.stop).set()
+
+
+def die_with_parent():
+    """A preexec_fn that has the kernel SIGKILL the child when the thread that started it ends
+    (PR_SET_PDEATHSIG), so no child outlives its supervisor, even one killed with SIGKILL.
+    Start children from the main thread. Linux only; elsewhere None. libc is looked up here,
+    before the fork: the forked child must not import."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def watch(children: list[subprocess.Popen], stop: threading.Event) -> subprocess.Popen | None:
+    """Wait until `stop` is set (None) or a child exits (that child)."""
+    while not stop.wait(0.5):
+        for child in children:
+            if child.poll() is not None:
+                return child
+    return None
+
+
+def terminate(process: subprocess.Popen, timeout_s: float, name: str = "the child") -> None:
+    """SIGTERM a child started in its own session and wait; SIGKILL its whole process group if
+    it does not exit in time, and whatever it left behind in the group once it has."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"{name} did not stop within {timeout_s:.0f} s; killing it", file=sys.stderr)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()

@@ -94,6 +94,20 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
     return client, served
 
 
+def _server(config, client: TritonClient):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Ends the answers in flight with a 503 error event when asked to stop, so streams
+        close at once, cleanly, and their Triton requests are cancelled."""
+
+        async def shutdown(self, sockets=None):
+            client.stop_streams()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
 async def serve(args) -> None:
     import uvicorn
 
@@ -101,10 +115,8 @@ async def serve(args) -> None:
     app = create_app(client, served)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", http="httptools", lifespan="off",
-                            # Streams in flight are cancelled (and so their Triton requests)
-                            # rather than awaited for ever.
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+    server = _server(config, client)
     logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
     try:
         await server.serve()
@@ -119,7 +131,10 @@ def main(argv=None) -> int:
         import uvloop
     except ImportError:  # optional: only faster
         uvloop = None
-    (uvloop.run if uvloop else asyncio.run)(serve(args))
+    try:
+        (uvloop.run if uvloop else asyncio.run)(serve(args))
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: already stopped cleanly
+        pass
     return 0
 
 

@@ -13,6 +13,7 @@ are the ensemble's input checks, 400s.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -147,9 +148,18 @@ class TritonClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self._ready_until = 0.0
+        self._streams: dict = {}  # live gRPC stream -> whether stop_streams cancelled it
+        self.is_stopping = False
 
     async def close(self) -> None:
         await self.client.close()
+
+    def stop_streams(self) -> None:
+        """At shutdown: cancel every generation in flight; each ends with a 503 error."""
+        self.is_stopping = True
+        for stream in list(self._streams):
+            self._streams[stream] = True
+            stream.cancel()
 
     async def check_ready(self) -> None:
         """Raise a 503 APIError unless Triton answers and the model is ready (cached briefly)."""
@@ -191,12 +201,15 @@ class TritonClient:
 
         Raises APIError for an error response or a failed call.
         """
+        if self.is_stopping:
+            raise unavailable("The server is shutting down.")
         inputs = ensemble_inputs(request)
 
         async def one_request():
             yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
 
         stream = self.client.stream_infer(one_request())
+        self._streams[stream] = False
         try:
             async for result, error in stream:
                 if error is not None:
@@ -216,5 +229,10 @@ class TritonClient:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.mark_unready()
             raise classify_rpc(exc, self.url) from None
+        except asyncio.CancelledError:
+            if self._streams.get(stream):  # cancelled by stop_streams, not by our caller
+                raise unavailable("The server is shutting down.") from None
+            raise
         finally:
+            del self._streams[stream]
             stream.cancel()  # no-op after the final response; otherwise Triton cancels the request

@@ -4,7 +4,8 @@ Requests reject unknown fields (OpenAI answers "Unrecognized request argument su
 check every range OpenAI documents, so a bad value gets a 400 naming the parameter before
 anything reaches Triton. Fields the engine cannot honour are accepted by the schema and refused
 with a clear message in `openai_frontend.sampling`, which owns those rules. Besides OpenAI's
-fields, requests take vLLM's common extensions `top_k`, `repetition_penalty` and `min_tokens`.
+fields, requests take vLLM's common extensions `top_k`, `repetition_penalty`, `min_tokens` and
+`ignore_eos`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class GenerationRequest(_Strict):
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None  # genai-perf sends it for fixed output lengths
 
     @field_validator("stop")
     @classmethod

@@ -68,7 +68,8 @@ def _engine_requests(req: GenerationRequest, prompt: str, max_tokens: int, num_c
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         top_p=req.top_p, top_k=req.top_k, frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-        min_tokens=req.min_tokens, return_log_probs=logprobs)
+        # The engine never ends before min_tokens, so ignore_eos is min_tokens = max_tokens.
+        min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs)
     return [replace(base, seed=_seed(req, first_index + i)) for i in range(num_choices)]
 
 

@@ -144,6 +144,13 @@ def test_n_choices_get_distinct_seeds_and_prompts_keep_their_order():
     assert negative.requests[0].seed == 2**64 - 1
 
 
+def test_extensions_reach_the_engine():
+    plan = completion_plan(CompletionRequest(model="m", prompt="a", max_tokens=9, ignore_eos=True, top_k=5,
+                                             repetition_penalty=1.1), LIMITS)
+    [request] = plan.requests
+    assert (request.min_tokens, request.top_k, request.repetition_penalty) == (9, 5, 1.1)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"prompt": [1, 2, 3]}, "prompt"),
     ({"prompt": "a", "logprobs": 2}, "logprobs"),

@@ -70,7 +70,8 @@ class ChatRenderer:
         try:
             return self.tokenizer.apply_chat_template(converted, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2's TemplateError from raise_exception(), or a bad value
-            raise bad_request(f"The model's chat template refused these messages: {exc}", "messages") from None
+            raise bad_request(f"The model's chat template refused these messages: {exc}",
+                              "messages") from None
 
     def count_tokens(self, rendered: str) -> int:
         """Tokens of a rendered prompt, counted as the ensemble will (no extra special tokens)."""

@@ -51,7 +51,8 @@ def _common_checks(req: GenerationRequest) -> None:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                           "stream_options")
     if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported by this server.", "logit_bias", "unsupported_parameter")
+        raise bad_request("'logit_bias' is not supported by this server.", "logit_bias",
+                          "unsupported_parameter")
     if any(not s for s in req.stop_strings):
         raise bad_request("Stop sequences must not be empty.", "stop")
 
@@ -62,7 +63,8 @@ def _seed(req: GenerationRequest, index: int) -> int | None:
 
 
 def _engine_requests(req: GenerationRequest, prompt: str, max_tokens: int, num_choices: int,
-                     add_special_tokens: bool | None, logprobs: bool, first_index: int = 0) -> list[EngineRequest]:
+                     add_special_tokens: bool | None, logprobs: bool,
+                     first_index: int = 0) -> list[EngineRequest]:
     base = EngineRequest(
         prompt=prompt, max_tokens=max_tokens, add_special_tokens=add_special_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,

@@ -98,7 +98,8 @@ async def direct(client: grpcaio.InferenceServerClient, prompt: str, max_tokens:
 
 async def frontend(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
     body = {"model": "ensemble", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "min_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "min_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     start, ttft, usage = time.perf_counter(), None, None
     async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
         reply.raise_for_status()
@@ -158,7 +159,8 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
     for name, lv in level.items():
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
               f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s", flush=True)
-    print(f"  concurrency {concurrency:>3}  frontend − direct TTFT p50: {front.ttft_p50_ms - direct_.ttft_p50_ms:+.2f} ms; "
+    print(f"  concurrency {concurrency:>3}  frontend − direct TTFT p50: "
+          f"{front.ttft_p50_ms - direct_.ttft_p50_ms:+.2f} ms; "
           f"frontend ÷ direct tok/s: {front.tok_per_s / direct_.tok_per_s:.3f}", flush=True)
 
 
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests-at-1", type=int, default=24, help="requests at concurrency 1, per path")
     parser.add_argument("--max-tokens-at-1", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2, help="at concurrency c: c × rounds requests per path")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="at concurrency c: c × rounds requests per path")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -106,7 +105,8 @@ def main(argv=None) -> int:
         launcher = start([sys.executable, str(TOOLS / "launch_triton_server.py"), *launcher_argv])
         launch_triton_server.wait_ready(launcher, triton.host, triton.http_port, triton.ready_timeout)
         extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
-        frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port, extra))
+        frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
+                                          extra))
         wait_http_ok(frontend, f"http://{local}:{args.openai_port}/health/ready",
                      args.frontend_ready_timeout, "the OpenAI frontend")
         print(f"Triton:     http://{triton.host}:{triton.http_port}  grpc {triton.host}:{triton.grpc_port}  "

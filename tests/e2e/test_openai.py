@@ -100,7 +100,8 @@ def test_multi_turn_chat_with_a_system_prompt_streamed_and_not(client, tokenizer
 
 def test_async_client_seeded_sampling_streams_the_same_text(frontend):
     async def run():
-        async with openai.AsyncOpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(base_url=frontend.url + "/v1", api_key="unused",
+                                      max_retries=0) as aclient:
             params = dict(model="ensemble", messages=[{"role": "user", "content": "Name a colour."}],
                           max_completion_tokens=16, temperature=0.9, top_p=0.95, seed=11,
                           frequency_penalty=0.3, presence_penalty=0.2)
@@ -133,7 +134,8 @@ def test_max_tokens_ends_with_length_and_counts_exactly(client, tokenizer):
 
 
 def test_stop_strings_cut_the_text_and_never_leak(client):
-    free = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=20, temperature=0).choices[0].text
+    free = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=20,
+                                     temperature=0).choices[0].text
     for stop in (" 7", ", 9,"):  # ", 9," straddles three tokens
         assert stop in free
         expected = free[:free.index(stop)]
@@ -181,7 +183,8 @@ def test_raw_sse_ends_with_done(frontend):
 # ----- errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]},
+     404, "model"),
     ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -244,7 +247,8 @@ def _assert_freed_at_once(server, timeout_s: float = 5):
 
 
 def test_a_client_leaving_mid_stream_frees_the_kv_blocks_at_once(server, frontend):
-    body = {"model": "ensemble", "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+    body = {"model": "ensemble",
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
             "max_tokens": 400, "stream": True}
     with httpx.stream("POST", frontend.url + "/v1/chat/completions", json=body, timeout=60) as reply:
         lines = reply.iter_lines()

@@ -133,7 +133,8 @@ def test_chat_default_max_tokens_fills_the_context():
     renderer = ChatRenderer(FakeTokenizer(), "m")
     assert chat_plan(_chat(), renderer, LIMITS).requests[0].max_tokens == 256 - 2
     assert chat_plan(_chat(), renderer, Limits(256, max_output_len=50)).requests[0].max_tokens == 50
-    assert chat_plan(_chat(max_completion_tokens=9, max_tokens=3), renderer, LIMITS).requests[0].max_tokens == 9
+    both = chat_plan(_chat(max_completion_tokens=9, max_tokens=3), renderer, LIMITS)
+    assert both.requests[0].max_tokens == 9
 
 
 def test_n_choices_get_distinct_seeds_and_prompts_keep_their_order():

@@ -84,7 +84,8 @@ def test_random_splits_match_a_search_of_the_whole_text(seed):
     rng = random.Random(seed)
     alphabet = "ab \n"
     text = "".join(rng.choice(alphabet) for _ in range(60))
-    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+             for _ in range(rng.randint(1, 3))]
     cuts = sorted(rng.sample(range(1, len(text)), 10))
     pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
     first = min((p for p in (text.find(s) for s in stops) if p >= 0), default=None)

@@ -118,9 +118,11 @@ async def serve(args) -> None:
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _server(config, client)
     logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
+    watcher = asyncio.create_task(client.watch_readiness())
     try:
         await server.serve()
     finally:
+        watcher.cancel()
         await client.close()
 
 

@@ -99,7 +99,7 @@ def create_app(client: TritonClient, served: ServedModel) -> FastAPI:
 
     @app.get("/health/ready")
     async def ready():
-        await client.check_ready()
+        await client.check_ready(fresh=True)
         return {"status": "ready"}
 
     return app

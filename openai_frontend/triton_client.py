@@ -176,18 +176,31 @@ class TritonClient:
             self._streams[stream] = True
             stream.cancel()
 
-    async def check_ready(self) -> None:
-        """Raise a 503 APIError unless Triton answers and the model is ready (cached briefly)."""
+    async def check_ready(self, fresh: bool = False) -> None:
+        """Raise a 503 APIError unless Triton answers and the model is ready. A success is
+        trusted for READY_TTL_S unless `fresh`; `watch_readiness` keeps it fresh, so requests
+        do not pay for a round trip."""
         now = time.monotonic()
-        if now < self._ready_until:
+        if not fresh and now < self._ready_until:
             return
         try:
             ready = await self.client.is_model_ready(self.model, client_timeout=CONTROL_TIMEOUT_S)
         except InferenceServerException as exc:
+            self.mark_unready()
             raise classify_rpc(exc, self.url) from None
         if not ready:
+            self.mark_unready()
             raise unavailable(f"The model `{self.model}` is not ready on Triton at {self.url}.")
         self._ready_until = now + READY_TTL_S
+
+    async def watch_readiness(self, period_s: float = READY_TTL_S / 2) -> None:
+        """Check readiness in the background for ever (run it as a task; cancel to stop)."""
+        while True:
+            try:
+                await self.check_ready(fresh=True)
+            except APIError:
+                pass  # requests check again themselves while Triton is not ready
+            await asyncio.sleep(period_s)
 
     def mark_unready(self) -> None:
         self._ready_until = 0.0

@@ -6,10 +6,10 @@
 Both paths stream the same chat prompts with the same settings (greedy, exactly `--max-tokens`
 output tokens through `min_tokens`): the frontend through `/v1/chat/completions` (httpx, SSE,
 `include_usage`), the direct path to the gRPC ensemble with `apply_chat_template`, which renders
-the same template into the same prompt tokens (checked). At each concurrency the two paths take
-turns, A B B A, so drift on a shared machine falls on both. Prints time to first token (p50),
-output tok/s, and the ratios: frontend TTFT − direct TTFT at concurrency 1 (target ≤ 1 ms) and
-frontend tok/s ÷ direct tok/s at 64 (target ≥ 95 %).
+the same template into the same prompt tokens (checked). The two paths take turns (request by
+request at concurrency 1, A B B A above), so drift on a shared machine falls on both. Prints time
+to first token (p50), output tok/s, and the ratios: frontend TTFT − direct TTFT at concurrency 1
+(target ≤ 1 ms) and frontend tok/s ÷ direct tok/s at 64 (target ≥ 95 %).
 """
 
 from __future__ import annotations
@@ -132,6 +132,16 @@ def _merge(levels: list[Level]) -> Level:
     return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels))
 
 
+async def run_pairs(paths: dict, num_pairs: int, max_tokens: int) -> dict[str, Level]:
+    """Concurrency 1, one request per path in turn (the order alternating), so the engine's
+    drift on a shared machine falls on both paths alike."""
+    runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
+    for i in range(num_pairs):
+        for name in ("direct", "frontend") if i % 2 == 0 else ("frontend", "direct"):
+            runs[name].append(await run_level(paths[name], 1, 1, max_tokens))
+    return {name: _merge(levels) for name, levels in runs.items()}
+
+
 async def bench(grpc_url: str, openai_url: str, args) -> dict[int, dict[str, Level]]:
     client = grpcaio.InferenceServerClient(grpc_url)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
@@ -141,12 +151,14 @@ async def bench(grpc_url: str, openai_url: str, args) -> dict[int, dict[str, Lev
             await run_level(request, 4, 4, 8)
         results = {}
         for concurrency in args.concurrency:
-            num = max(concurrency, args.requests_at_1) if concurrency == 1 else concurrency * args.rounds
-            max_tokens = args.max_tokens_at_1 if concurrency == 1 else args.max_tokens
-            runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
-            for name in ("direct", "frontend", "frontend", "direct"):
-                runs[name].append(await run_level(paths[name], concurrency, num // 2, max_tokens))
-            results[concurrency] = {name: _merge(levels) for name, levels in runs.items()}
+            if concurrency == 1:
+                results[1] = await run_pairs(paths, args.requests_at_1, args.max_tokens_at_1)
+            else:
+                runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
+                for name in ("direct", "frontend", "frontend", "direct"):
+                    runs[name].append(await run_level(paths[name], concurrency,
+                                                      concurrency * args.rounds // 2, args.max_tokens))
+                results[concurrency] = {name: _merge(levels) for name, levels in runs.items()}
             report_level(concurrency, results[concurrency])
     await client.close()
     return results
@@ -159,8 +171,12 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
     for name, lv in level.items():
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
               f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s", flush=True)
+    paired = ""
+    if concurrency == 1:  # request i of each path ran back to back
+        diffs = [f.ttft_s - d.ttft_s for f, d in zip(front.samples, direct_.samples)]
+        paired = f" (median of paired differences {1000 * statistics.median(diffs):+.2f} ms)"
     print(f"  concurrency {concurrency:>3}  frontend − direct TTFT p50: "
-          f"{front.ttft_p50_ms - direct_.ttft_p50_ms:+.2f} ms; "
+          f"{front.ttft_p50_ms - direct_.ttft_p50_ms:+.2f} ms{paired}; "
           f"frontend ÷ direct tok/s: {front.tok_per_s / direct_.tok_per_s:.3f}", flush=True)
 
 

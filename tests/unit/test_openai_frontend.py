@@ -41,7 +41,7 @@ class FakeTriton:
         self.num_closed = 0
         self.num_sent = 0
 
-    async def check_ready(self):
+    async def check_ready(self, fresh=False):
         pass
 
     async def generate(self, request: EngineRequest, request_id: str = ""):

@@ -30,7 +30,7 @@ from ensemble.io_contract import ENSEMBLE
 from ensemble.params import get_int, read_parameters
 from openai_frontend.errors import APIError, bad_request, unavailable
 
-READY_TTL_S = 1.0  # a successful readiness check is trusted this long
+READY_TTL_S = 2.0  # a successful readiness check is trusted this long
 CONTROL_TIMEOUT_S = 5.0  # for unary calls (readiness, configs)
 
 
@@ -194,6 +194,7 @@ class TritonClient:
         self._ready_until = now + READY_TTL_S
 
     async def watch_readiness(self, period_s: float = READY_TTL_S / 2) -> None:
+        # Half the trust period: a request never finds the last success expired while ready.
         """Check readiness in the background for ever (run it as a task; cancel to stop)."""
         while True:
             try:

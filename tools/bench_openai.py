@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,7 @@ class Sample:
 class Level:
     samples: list[Sample]
     wall_s: float
+    cpu_s: float | None = None  # the frontend process's CPU time, when this tool started it
 
     @property
     def ttft_p50_ms(self) -> float:
@@ -129,35 +131,55 @@ async def run_level(request, concurrency: int, num_requests: int, max_tokens: in
 
 
 def _merge(levels: list[Level]) -> Level:
-    return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels))
+    cpu = [lv.cpu_s for lv in levels if lv.cpu_s is not None]
+    return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels),
+                 sum(cpu) if cpu else None)
 
 
-async def run_pairs(paths: dict, num_pairs: int, max_tokens: int) -> dict[str, Level]:
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process (Linux /proc), or None."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measured(request, pid, *args) -> Level:
+    before = cpu_seconds(pid)
+    level = await run_level(request, *args)
+    if before is not None:
+        level.cpu_s = cpu_seconds(pid) - before
+    return level
+
+
+async def run_pairs(paths: dict, pids: dict, num_pairs: int, max_tokens: int) -> dict[str, Level]:
     """Concurrency 1, one request per path in turn (the order alternating), so the engine's
     drift on a shared machine falls on both paths alike."""
     runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
     for i in range(num_pairs):
         for name in ("direct", "frontend") if i % 2 == 0 else ("frontend", "direct"):
-            runs[name].append(await run_level(paths[name], 1, 1, max_tokens))
+            runs[name].append(await measured(paths[name], pids[name], 1, 1, max_tokens))
     return {name: _merge(levels) for name, levels in runs.items()}
 
 
-async def bench(grpc_url: str, openai_url: str, args) -> dict[int, dict[str, Level]]:
+async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
+                args) -> dict[int, dict[str, Level]]:
     client = grpcaio.InferenceServerClient(grpc_url)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=openai_url, limits=limits, timeout=600) as http:
         paths = {"direct": lambda p, n: direct(client, p, n), "frontend": lambda p, n: frontend(http, p, n)}
+        pids = {"direct": None, "frontend": frontend_pid}
         for name, request in paths.items():  # warm up both (first-use costs on both sides)
             await run_level(request, 4, 4, 8)
         results = {}
         for concurrency in args.concurrency:
             if concurrency == 1:
-                results[1] = await run_pairs(paths, args.requests_at_1, args.max_tokens_at_1)
+                results[1] = await run_pairs(paths, pids, args.requests_at_1, args.max_tokens_at_1)
             else:
                 runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
                 for name in ("direct", "frontend", "frontend", "direct"):
-                    runs[name].append(await run_level(paths[name], concurrency,
-                                                      concurrency * args.rounds // 2, args.max_tokens))
+                    runs[name].append(await measured(paths[name], pids[name], concurrency,
+                                                     concurrency * args.rounds // 2, args.max_tokens))
                 results[concurrency] = {name: _merge(levels) for name, levels in runs.items()}
             report_level(concurrency, results[concurrency])
     await client.close()
@@ -169,8 +191,13 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
     prompts = {(s.num_input_tokens) for s in direct_.samples} ^ {(s.num_input_tokens) for s in front.samples}
     assert not prompts, f"the two paths saw different prompt lengths: {prompts}"
     for name, lv in level.items():
+        cpu = ""
+        if lv.cpu_s is not None:
+            tokens = sum(s.num_output_tokens for s in lv.samples)
+            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request, "
+                   f"{1e6 * lv.cpu_s / tokens:.0f} µs/token")
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
-              f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s", flush=True)
+              f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s{cpu}", flush=True)
     paired = ""
     if concurrency == 1:  # request i of each path ran back to back
         diffs = [f.ttft_s - d.ttft_s for f, d in zip(front.samples, direct_.samples)]
@@ -184,6 +211,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grpc-url", help="a running Triton (default: start one)")
     parser.add_argument("--openai-url", help="a running frontend in front of it (default: start one)")
+    parser.add_argument("--frontend-pid", type=int, help="that frontend's process id, to report its CPU time")
     parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests-at-1", type=int, default=24, help="requests at concurrency 1, per path")
@@ -193,16 +221,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
-        grpc_url, openai_url = args.grpc_url, args.openai_url
+        grpc_url, openai_url, frontend_pid = args.grpc_url, args.openai_url, args.frontend_pid
         if grpc_url is None:
             from tests.e2e.server import running_server
 
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             grpc_url = stack.enter_context(running_server(Path(args.model), work_dir)).grpc_url
         if openai_url is None:
-            openai_url = stack.enter_context(_frontend(grpc_url))
+            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url))
         print(f"Triton gRPC {grpc_url}, OpenAI frontend {openai_url}", flush=True)
-        results = asyncio.run(bench(grpc_url, openai_url, args))
+        results = asyncio.run(bench(grpc_url, openai_url, frontend_pid, args))
     print("\nsummary")
     for concurrency, level in results.items():
         report_level(concurrency, level)
@@ -218,7 +246,7 @@ def _frontend(grpc_url: str):
     process = serve.start(serve.frontend_command(grpc_url, "127.0.0.1", port, ["--log-level", "warning"]))
     try:
         serve.wait_http_ok(process, f"http://127.0.0.1:{port}/health/ready", 120, "the OpenAI frontend")
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", process.pid
     finally:
         serve.stop(process, timeout_s=15)
 

@@ -10,6 +10,7 @@ REPO ?= build/repository
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 HOST ?= 127.0.0.1
 # Extra tools/build_repository.py flags, e.g. BUILD_ARGS="--batch_scheduler_policy max_utilization"
 BUILD_ARGS ?=
@@ -17,7 +18,7 @@ BUILD_ARGS ?=
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model repository serve test test-unit test-e2e bench gpu-smoke clean
+.PHONY: setup model repository serve serve-triton test test-unit test-e2e bench bench-openai gpu-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -37,7 +38,13 @@ endif
 repository: model
 	$(PY) tools/build_repository.py --model $(MODEL) --out $(REPO) --force $(BUILD_ARGS)
 
+# Triton and the OpenAI-compatible frontend together; one Ctrl-C stops both.
 serve: repository
+	$(PY) tools/serve.py --openai_port $(OPENAI_PORT) --model_repo $(REPO) --host $(HOST) \
+		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT)
+
+# Triton alone.
+serve-triton: repository
 	$(PY) tools/launch_triton_server.py --model_repo $(REPO) --host $(HOST) \
 		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT) $(SERVE_ARGS)
 
@@ -52,6 +59,10 @@ test-e2e: model
 
 bench: model
 	$(PY) tools/bench_engine.py --model $(MODEL)
+
+# The OpenAI frontend's overhead: the same load through it and straight to Triton, one run.
+bench-openai: model
+	$(PY) tools/bench_openai.py --model $(MODEL)
 
 # On a CUDA machine that has the model folder (the device machine runs tools/gpu_smoke.sh
 # stage1 + stage2 instead; see that script).

@@ -6,8 +6,10 @@ builder checks every rendered `config.pbtxt` against them, and the tests build r
 them. Dims are per request (Triton prepends the batch dimension, since every model batches).
 
 Extensions over NVIDIA's contract are marked `ext`: the stream-context tensors that let the
-stateless detokenizer decode each streamed chunk in context, the chat-template switch, and
-`min_length` (genai-perf sends it; an alias of `min_tokens`).
+stateless detokenizer decode each streamed chunk in context, the chat-template switch,
+`add_special_tokens` (a per-request override of the tokenizer parameter, so a client that renders
+a chat template itself does not get a second BOS), and `min_length` (genai-perf sends it; an alias
+of `min_tokens`).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ PREPROCESSING = ModelIO(
         _in("END_ID", "TYPE_INT32"),
         _in("PAD_ID", "TYPE_INT32"),
         _in("APPLY_CHAT_TEMPLATE", "TYPE_BOOL"),  # ext
+        _in("ADD_SPECIAL_TOKENS", "TYPE_BOOL"),  # ext: per-request override of the parameter
     ),
     outputs=(
         _in("INPUT_ID", "TYPE_INT32", (-1,)),
@@ -179,6 +182,7 @@ ENSEMBLE = ModelIO(
         _in("return_num_input_tokens", "TYPE_BOOL"),
         _in("return_num_output_tokens", "TYPE_BOOL"),
         _in("apply_chat_template", "TYPE_BOOL"),  # ext
+        _in("add_special_tokens", "TYPE_BOOL"),  # ext
     ),
     outputs=(
         _in("text_output", "TYPE_STRING", (-1,)),
@@ -220,6 +224,7 @@ ENSEMBLE_ROUTES = {
     "end_id": ("preprocessing", "END_ID"),
     "pad_id": ("preprocessing", "PAD_ID"),
     "apply_chat_template": ("preprocessing", "APPLY_CHAT_TEMPLATE"),
+    "add_special_tokens": ("preprocessing", "ADD_SPECIAL_TOKENS"),
     "stream": ("tensorrt_llm", "streaming"),
     "top_k": ("tensorrt_llm", "runtime_top_k"),
     "top_p": ("tensorrt_llm", "runtime_top_p"),

@@ -62,12 +62,15 @@ class TextTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str, apply_chat_template: bool = False) -> list[int]:
+    def encode(self, text: str, apply_chat_template: bool = False,
+               add_special_tokens: bool | None = None) -> list[int]:
         """Prompt text → token ids.
 
         With `apply_chat_template`, `text` becomes one user message followed by the assistant
         generation prompt; the template already writes BOS etc., so no extra special tokens are
-        added. Without it, special tokens follow `add_special_tokens` given at construction.
+        added. Without it, special tokens follow `add_special_tokens` when given (per request:
+        a client that rendered a chat template itself sends false), else the value given at
+        construction.
         Raises InputError for an empty prompt, a prompt that encodes to no tokens, or a chat
         template request on a tokenizer that has none.
         """
@@ -82,7 +85,9 @@ class TextTokenizer:
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
-            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+            if add_special_tokens is None:
+                add_special_tokens = self.add_special_tokens
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         ids = [int(i) for i in ids]
         if not ids:
             raise InputError("text_input encodes to no tokens")

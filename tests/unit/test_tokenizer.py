@@ -80,6 +80,21 @@ def test_chat_template_adds_no_extra_special_tokens(sp_dir, tmp_path):
     assert "[INST] Hi there [/INST]" in sp.tokenizer.decode(ids)
 
 
+def test_add_special_tokens_per_request_overrides_the_parameter(sp_dir, tmp_path):
+    """A client that rendered a template itself (it writes BOS) sends add_special_tokens=false."""
+    folder = tmp_path / "sp_bos"
+    shutil.copytree(sp_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
+                                                                "add_bos_token": True}))
+    sp = TextTokenizer(folder)
+    bos = sp.tokenizer.bos_token_id
+    rendered = "<s>[INST] Hi there [/INST]"
+    assert sp.encode(rendered)[:2] == [bos, bos]  # the parameter's default doubles it
+    once = sp.encode(rendered, add_special_tokens=False)
+    assert once[0] == bos and once.count(bos) == 1
+    assert TextTokenizer(folder, add_special_tokens=False).encode("Hi", add_special_tokens=True)[0] == bos
+
+
 def test_encode_errors(tt, sp_dir, monkeypatch):
     with pytest.raises(InputError, match="empty"):
         tt.encode("")

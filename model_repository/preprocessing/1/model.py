@@ -1,6 +1,7 @@
 """Triton adapter of the tokenizer model (`preprocessing`).
 
-Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE).
+Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE
+and ADD_SPECIAL_TOKENS).
 Parameters: tokenizer_dir (required), add_special_tokens (default true), trust_remote_code
 (default false). A bad request gets its own error; the rest of the dynamic batch carries on.
 """
@@ -58,7 +59,10 @@ class TritonPythonModel:
             raise InputError(f"max_tokens must be > 0, got {int(max_tokens.min())}")
         chat = self._input(request, "APPLY_CHAT_TEMPLATE")
         chat = bool(chat.as_numpy().reshape(-1)[0]) if chat is not None else False
-        ids = [self.tokenizer.encode(decode_query(q), apply_chat_template=chat) for q in queries]
+        special = self._input(request, "ADD_SPECIAL_TOKENS")
+        special = bool(special.as_numpy().reshape(-1)[0]) if special is not None else None
+        ids = [self.tokenizer.encode(decode_query(q), apply_chat_template=chat, add_special_tokens=special)
+               for q in queries]
 
         end_id = self._scalar_or(request, "END_ID", self.tokenizer.end_id, batch)
         pad_id = self._scalar_or(request, "PAD_ID", self.tokenizer.pad_id, batch)

@@ -1,0 +1,144 @@
+"""Run the OpenAI-compatible API in front of a running tritonserver.
+
+    python -m openai_frontend --triton-url 127.0.0.1:8001 [--port 9000] [--tokenizer DIR]
+
+It reads the tokenizer folder and token limits from the ensemble's model parameters over gRPC
+(so it needs only Triton's address), loads the tokenizer for chat templates, and serves on
+127.0.0.1 unless `--host` says otherwise. Ctrl-C or SIGTERM stops it; requests in flight are
+cancelled in Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from openai_frontend.app import ServedModel, create_app
+from openai_frontend.chat import ChatRenderer
+from openai_frontend.errors import APIError
+from openai_frontend.sampling import Limits
+from openai_frontend.triton_client import ModelInfo, TritonClient
+
+logger = logging.getLogger("openai_frontend")
+FALLBACK_CONTEXT_LENGTH = 2048
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument("--model", default="ensemble", help="the Triton model to call")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
+    parser.add_argument("--tokenizer", help="tokenizer folder for chat templates (default: the "
+                        "ensemble's tokenizer_dir parameter, read from Triton)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--triton-timeout-s", type=float, default=60.0,
+                        help="how long to wait for Triton at start-up to read the model's parameters")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser.parse_args(argv)
+
+
+async def _read_model_info(client: TritonClient, timeout_s: float) -> ModelInfo:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.check_ready()
+            return await client.model_info()
+        except APIError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: cannot read the model's parameters from Triton at "
+                                 f"{client.url}: {exc.message}") from None
+            await asyncio.sleep(0.5)
+
+
+def context_length(info: ModelInfo, tokenizer) -> int:
+    """The engine's rule: max_seq_len if set, capped by the model's max_position_embeddings."""
+    limits = [info.max_seq_len] if info.max_seq_len else []
+    if info.engine_dir and (Path(info.engine_dir) / "config.json").is_file():
+        config = json.loads((Path(info.engine_dir) / "config.json").read_text())
+        config = config.get("text_config", config)
+        if config.get("max_position_embeddings"):
+            limits.append(int(config["max_position_embeddings"]))
+    if not limits and 0 < getattr(tokenizer, "model_max_length", 0) < 10**7:
+        limits.append(int(tokenizer.model_max_length))
+    if not limits:
+        logger.warning("the model's context length is unknown; assuming %d tokens", FALLBACK_CONTEXT_LENGTH)
+    return min(limits) if limits else FALLBACK_CONTEXT_LENGTH
+
+
+async def build(args) -> tuple[TritonClient, ServedModel]:
+    from preprocessing.loader import load_tokenizer
+
+    client = TritonClient(args.triton_url, args.model)
+    if args.tokenizer:  # Triton may be down: that must not stop the frontend from starting
+        try:
+            info = await client.model_info()
+        except APIError:
+            info = ModelInfo(args.tokenizer, None, None, args.tokenizer)
+    else:
+        info = await _read_model_info(client, args.triton_timeout_s)
+    tokenizer_dir = args.tokenizer or info.tokenizer_dir
+    if not tokenizer_dir:
+        raise SystemExit(f"error: model {args.model} has no tokenizer_dir parameter; pass --tokenizer")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    name = args.served_model_name or args.model
+    served = ServedModel(name=name, renderer=ChatRenderer(tokenizer, name),
+                         limits=Limits(context_length(info, tokenizer), info.max_output_len),
+                         created=int(time.time()))
+    return client, served
+
+
+def _server(config, client: TritonClient):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Ends the answers in flight with a 503 error event when asked to stop, so streams
+        close at once, cleanly, and their Triton requests are cancelled."""
+
+        async def shutdown(self, sockets=None):
+            client.stop_streams()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
+async def serve(args) -> None:
+    import uvicorn
+
+    client, served = await build(args)
+    app = create_app(client, served)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level == "debug", http="httptools", lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _server(config, client)
+    logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
+    watcher = asyncio.create_task(client.watch_readiness())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        await client.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # optional: only faster
+        uvloop = None
+    try:
+        (uvloop.run if uvloop else asyncio.run)(serve(args))
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: already stopped cleanly
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Chat messages → prompt text, rendered with the model's own chat template.
+
+The frontend renders the conversation itself (the ensemble's `apply_chat_template` wraps a
+single user message only) and sends the text with `add_special_tokens` false: the template
+already writes BOS and the role markers, so the tokenizer must not add them a second time.
+Only text content is accepted; tool calls, images and audio get a 400 that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai_frontend.errors import bad_request
+from openai_frontend.protocol import ChatMessage
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Content of type '{part.type}' is not supported; only text is.",
+                              f"messages.[{index}].content", "unsupported_content")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages → the {"role", "content"} dicts that HF chat templates read."""
+    converted = []
+    for index, message in enumerate(messages):
+        if message.role in ("tool", "function") or getattr(message, "tool_calls", None):
+            raise bad_request("Tool and function calling are not supported by this server.",
+                              f"messages.[{index}].role", "unsupported_role")
+        # OpenAI's newer name for system instructions; templates know only "system".
+        role = "system" if message.role == "developer" else message.role
+        entry = {"role": role, "content": _text(message, index)}
+        if message.name:
+            entry["name"] = message.name
+        converted.append(entry)
+    return converted
+
+
+class ChatRenderer:
+    """Renders conversations with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render(self, messages: list[ChatMessage]) -> str:
+        """The prompt text ending with the assistant's generation prompt.
+
+        Raises APIError 400 when the model has no template or the template refuses the
+        conversation (many raise on roles out of order).
+        """
+        if not self.has_template:
+            raise bad_request(f"The model `{self.model_name}` has no chat template, so it cannot serve "
+                              "/v1/chat/completions; send a plain prompt to /v1/completions instead.",
+                              "messages", "no_chat_template")
+        converted = to_template_messages(messages)
+        try:
+            return self.tokenizer.apply_chat_template(converted, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja2's TemplateError from raise_exception(), or a bad value
+            raise bad_request(f"The model's chat template refused these messages: {exc}",
+                              "messages") from None
+
+    def count_tokens(self, rendered: str) -> int:
+        """Tokens of a rendered prompt, counted as the ensemble will (no extra special tokens)."""
+        return len(self.tokenizer.encode(rendered, add_special_tokens=False))

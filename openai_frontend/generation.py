@@ -1,0 +1,165 @@
+"""One OpenAI request's choices, generated through Triton: text, stop strings, log probs, counts.
+
+`run_choice` streams one choice: it feeds each engine chunk to a `StopMatcher`, releases whole
+chunks once no stop string can start in them (so a chunk's text and its log probs leave
+together), and on a match stops reading, which cancels the Triton request. `merge` interleaves
+the choices of one request as their chunks arrive; `collect` gathers them for a non-streamed
+answer. Both are independent of HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from openai_frontend.errors import APIError
+from openai_frontend.stop import StopMatcher
+from openai_frontend.triton_client import EngineRequest, TritonClient
+
+
+@dataclass
+class ChoiceEvent:
+    """New output of choice `index`; `finish_reason` is set on its last event only."""
+
+    index: int
+    text: str
+    tokens: list[tuple[str, float]] = field(default_factory=list)  # (token text, log prob)
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, as the engine counts them
+
+
+@dataclass
+class _Piece:
+    start: int  # offset of `text` in the choice's generated text
+    text: str
+    log_probs: list[float]
+
+    def tokens(self, text: str) -> list[tuple[str, float]]:
+        # A streamed chunk is one token; should one carry several, the text goes to the first.
+        return [(text if i == 0 else "", lp) for i, lp in enumerate(self.log_probs)]
+
+
+class _Releaser:
+    """Chunks waiting until the stop matcher says their text is safe to send."""
+
+    def __init__(self) -> None:
+        self.pieces: list[_Piece] = []
+        self.end = 0
+
+    def add(self, text: str, log_probs: list[float] | None) -> None:
+        self.pieces.append(_Piece(self.end, text, log_probs or []))
+        self.end += len(text)
+
+    def release(self, safe_end: int, final: bool = False) -> tuple[str, list[tuple[str, float]]]:
+        """Whole pieces that end by `safe_end`; when `final`, also the part of the next one
+        that starts before it (the text before a stop string)."""
+        texts, tokens = [], []
+        while self.pieces:
+            piece = self.pieces[0]
+            if piece.start + len(piece.text) <= safe_end:
+                text = piece.text
+            elif final and piece.start < safe_end:
+                text = piece.text[:safe_end - piece.start]
+            else:
+                break
+            self.pieces.pop(0)
+            texts.append(text)
+            tokens += piece.tokens(text)
+        if final:
+            self.pieces.clear()
+        return "".join(texts), tokens
+
+
+async def run_choice(client: TritonClient, request: EngineRequest, index: int, stops: Sequence[str],
+                     request_id: str = "", prefix: str = "") -> AsyncIterator[ChoiceEvent]:
+    """Stream choice `index`; its last event has the finish reason and the final counts."""
+    matcher, pending = StopMatcher(stops), _Releaser()
+    last = None
+    async with aclosing(client.generate(request, request_id)) as chunks:
+        async for chunk in chunks:
+            last = chunk
+            pending.add(chunk.text, chunk.log_probs)
+            safe_end = matcher.feed(chunk.text)
+            if matcher.stopped:
+                break  # leaving the block cancels the Triton request
+            text, tokens = pending.release(safe_end)
+            if text or tokens:
+                yield ChoiceEvent(index, prefix + text, tokens, None, chunk.num_input_tokens,
+                                  chunk.num_output_tokens)
+                prefix = ""
+    if last is None:
+        raise APIError(500, "Triton ended the stream without a response.")
+    if matcher.stopped:
+        finish = "stop"
+    else:
+        # The engine leaves the end token out of its output and its count, so reaching
+        # max_tokens means the limit, not the model, ended the answer.
+        finish = "length" if last.num_output_tokens >= request.max_tokens else "stop"
+    text, tokens = pending.release(matcher.safe_end if matcher.stopped else pending.end, final=True)
+    yield ChoiceEvent(index, prefix + text, tokens, finish, last.num_input_tokens, last.num_output_tokens)
+
+
+async def merge(streams: Sequence[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:
+    """Events of all choices in arrival order. Closing this cancels every choice still running."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for event in only:
+                yield event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async with aclosing(stream):
+                async for event in stream:
+                    await queue.put(event)
+            await queue.put(done)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    tokens: list[tuple[str, float]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+async def collect(events: AsyncIterator[ChoiceEvent], num_choices: int) -> list[ChoiceResult]:
+    """The whole answer of every choice, in index order."""
+    results = [ChoiceResult() for _ in range(num_choices)]
+    parts: list[list[str]] = [[] for _ in range(num_choices)]
+    async with aclosing(events):
+        async for event in events:
+            result = results[event.index]
+            parts[event.index].append(event.text)
+            result.tokens += event.tokens
+            result.num_input_tokens = event.num_input_tokens
+            result.num_output_tokens = event.num_output_tokens
+            if event.finish_reason is not None:
+                result.finish_reason = event.finish_reason
+    for result, texts in zip(results, parts):
+        result.text = "".join(texts)
+    return results

@@ -1,0 +1,138 @@
+"""Choice events and results → OpenAI response objects, whole or as stream chunks.
+
+Streamed chat chunks follow OpenAI's shape: the first delta of each choice carries the role,
+later ones only content, the last one the finish reason; with `stream_options.include_usage`
+every chunk has `"usage": null` and one more chunk with no choices carries the usage. Token
+strings in log probs are each token's text decoded in context (a token that ends inside a
+multi-byte character has an empty string, the next one the whole character), so they always
+add up to the returned text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openai_frontend.generation import ChoiceEvent, ChoiceResult
+from openai_frontend.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                      ChatCompletionChunk, ChoiceLogprobs, Completion, CompletionChoice,
+                                      CompletionLogprobs, TokenLogprob, Usage)
+from openai_frontend.sampling import Plan
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every object of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    plan: Plan
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.plan.requests)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.plan.choices_per_prompt
+
+
+def usage(ctx: Context, input_tokens: list[int], output_tokens: list[int]) -> Usage:
+    """Each prompt counts once (n choices share it); every choice's output counts."""
+    prompt = sum(input_tokens[::ctx.choices_per_prompt])
+    completion = sum(output_tokens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def chat_logprobs(tokens: list[tuple[str, float]]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
+                                   for t, lp in tokens])
+
+
+def completion_logprobs(tokens: list[tuple[str, float]], offset: int) -> CompletionLogprobs:
+    offsets = []
+    for text, _ in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(tokens=[t for t, _ in tokens], token_logprobs=[lp for _, lp in tokens],
+                              top_logprobs=None, text_offset=offsets)
+
+
+# ----- whole answers ---------------------------------------------------------------------------
+
+def chat_completion(ctx: Context, results: list[ChoiceResult]) -> ChatCompletion:
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text),
+                          logprobs=chat_logprobs(r.tokens) if ctx.plan.logprobs else None,
+                          finish_reason=r.finish_reason)
+               for i, r in enumerate(results)]
+    return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                          usage=usage(ctx, [r.num_input_tokens for r in results],
+                                      [r.num_output_tokens for r in results]))
+
+
+def completion(ctx: Context, results: list[ChoiceResult]) -> Completion:
+    choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                logprobs=completion_logprobs(r.tokens, 0) if ctx.plan.logprobs else None)
+               for i, r in enumerate(results)]
+    return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                      usage=usage(ctx, [r.num_input_tokens for r in results],
+                                  [r.num_output_tokens for r in results]))
+
+
+# ----- streams ---------------------------------------------------------------------------------
+
+class _StreamState:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.started = [False] * ctx.num_choices
+        self.offsets = [0] * ctx.num_choices
+        self.input_tokens = [0] * ctx.num_choices
+        self.output_tokens = [0] * ctx.num_choices
+
+    def record(self, event: ChoiceEvent) -> None:
+        self.input_tokens[event.index] = event.num_input_tokens
+        self.output_tokens[event.index] = event.num_output_tokens
+
+    def usage_json(self, chunk_type) -> str | None:
+        """The last chunk, with no choices and the usage; None unless it was asked for."""
+        if not self.ctx.plan.include_usage:
+            return None
+        chunk = chunk_type(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model, choices=[],
+                           usage=usage(self.ctx, self.input_tokens, self.output_tokens))
+        return chunk.model_dump_json()
+
+    def dump(self, chunk) -> str:
+        # Without include_usage the field is left out, as OpenAI does.
+        return chunk.model_dump_json(exclude=None if self.ctx.plan.include_usage else {"usage"})
+
+
+class ChatStream(_StreamState):
+    def chunk_json(self, event: ChoiceEvent) -> str:
+        self.record(event)
+        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+        if not self.started[event.index]:
+            self.started[event.index] = True
+            delta = {"role": "assistant", "content": event.text}
+        choice = ChatChunkChoice(index=event.index, delta=delta, finish_reason=event.finish_reason,
+                                 logprobs=chat_logprobs(event.tokens) if self.ctx.plan.logprobs else None)
+        return self.dump(ChatCompletionChunk(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,
+                                             choices=[choice]))
+
+    def final_json(self) -> str | None:
+        return self.usage_json(ChatCompletionChunk)
+
+
+class CompletionStream(_StreamState):
+    def chunk_json(self, event: ChoiceEvent) -> str:
+        self.record(event)
+        logprobs = None
+        if self.ctx.plan.logprobs:
+            logprobs = completion_logprobs(event.tokens, self.offsets[event.index])
+        self.offsets[event.index] += len(event.text)
+        choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs,
+                                  finish_reason=event.finish_reason)
+        return self.dump(Completion(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,
+                                    choices=[choice]))
+
+    def final_json(self) -> str | None:
+        return self.usage_json(Completion)

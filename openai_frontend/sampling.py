@@ -1,0 +1,147 @@
+"""OpenAI request fields → the ensemble requests that serve them, one per choice.
+
+The rules of what this server can and cannot honour live here, each refused with a 400 that
+names the parameter and the limit:
+- `n` > 1 becomes n independent requests (the engine takes one return sequence per request);
+  with a `seed`, choice i uses seed + i so the choices differ yet stay reproducible.
+- Log probabilities are returned for the chosen tokens only: the engine does not compute the
+  top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
+- Prompts given as token ids, `suffix`, `logit_bias`, `best_of` other than `n`, tools and
+  non-text response formats are refused.
+- Defaults follow OpenAI: temperature 1; completions stop after 16 tokens, chat when the
+  context is full (or at the engine's `max_output_len`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from openai_frontend.chat import ChatRenderer
+from openai_frontend.errors import bad_request
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from openai_frontend.triton_client import EngineRequest
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Token limits of the served model: its context and the engine's per-request cap."""
+
+    context_length: int
+    max_output_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to send for one OpenAI request: `requests[i]` serves choice i."""
+
+    requests: list[EngineRequest]
+    choices_per_prompt: int = 1  # n: choices p*n .. p*n+n-1 share prompt p
+    echo: list[str] = field(default_factory=list)  # text prepended to choice i (completions' echo)
+    stops: tuple[str, ...] = ()
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _common_checks(req: GenerationRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          "stream_options")
+    if req.logit_bias:
+        raise bad_request("'logit_bias' is not supported by this server.", "logit_bias",
+                          "unsupported_parameter")
+    if any(not s for s in req.stop_strings):
+        raise bad_request("Stop sequences must not be empty.", "stop")
+
+
+def _seed(req: GenerationRequest, index: int) -> int | None:
+    # OpenAI seeds are signed 64-bit; the engine takes an unsigned one.
+    return None if req.seed is None else (req.seed + index) % 2**64
+
+
+def _engine_requests(req: GenerationRequest, prompt: str, max_tokens: int, num_choices: int,
+                     add_special_tokens: bool | None, logprobs: bool,
+                     first_index: int = 0) -> list[EngineRequest]:
+    base = EngineRequest(
+        prompt=prompt, max_tokens=max_tokens, add_special_tokens=add_special_tokens,
+        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        top_p=req.top_p, top_k=req.top_k, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+        # The engine never ends before min_tokens, so ignore_eos is min_tokens = max_tokens.
+        min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs)
+    return [replace(base, seed=_seed(req, first_index + i)) for i in range(num_choices)]
+
+
+def _check_max_tokens(max_tokens: int, limits: Limits, param: str) -> None:
+    # The engine checks prompt + max_tokens; this catches the common mistake with its name.
+    if max_tokens >= limits.context_length:
+        raise bad_request(f"'{param}' is {max_tokens}, but the model's context holds "
+                          f"{limits.context_length} tokens, the prompt included.", param,
+                          "context_length_exceeded")
+    if limits.max_output_len is not None and max_tokens > limits.max_output_len:
+        raise bad_request(f"'{param}' is {max_tokens}, more than this server allows "
+                          f"({limits.max_output_len}).", param)
+
+
+def completion_plan(req: CompletionRequest, limits: Limits) -> Plan:
+    _common_checks(req)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise bad_request("Prompts must be text (a string or a list of strings); token-id prompts are "
+                          "not supported.", "prompt")
+    if any(not p for p in prompts):
+        raise bad_request("The prompt must not be empty.", "prompt")
+    if req.suffix:
+        raise bad_request("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request("'best_of' must equal 'n' (or be left out): choices are not ranked.", "best_of")
+    if req.logprobs:
+        raise bad_request(f"'logprobs' is {req.logprobs}, but this engine returns only the chosen token's "
+                          "log probability: use logprobs=0.", "logprobs", "unsupported_value")
+    logprobs = req.logprobs is not None
+    if req.echo and logprobs:
+        raise bad_request("'echo' with 'logprobs' is not supported: the engine does not return the "
+                          "prompt's log probabilities.", "echo", "unsupported_value")
+    max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    _check_max_tokens(max_tokens, limits, "max_tokens")
+    requests, echo = [], []
+    for p, prompt in enumerate(prompts):
+        # Completions keep the tokenizer's own rule for special tokens (BOS for most models).
+        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, first_index=p * n)
+        echo += [prompt if req.echo else ""] * n
+    return Plan(requests, n, echo, req.stop_strings, logprobs, bool(req.stream),
+                bool(req.stream_options and req.stream_options.include_usage))
+
+
+def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits) -> Plan:
+    _common_checks(req)
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("Tool calling is not supported by this server.", "tools", "unsupported_parameter")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise bad_request("Only the 'text' response format is supported.", "response_format",
+                          "unsupported_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    if req.top_logprobs:
+        raise bad_request(f"'top_logprobs' is {req.top_logprobs}, but this engine returns only the chosen "
+                          "token's log probability: use top_logprobs=0 or leave it out.", "top_logprobs",
+                          "unsupported_value")
+    prompt = renderer.render(req.messages)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        room = limits.context_length - renderer.count_tokens(prompt)
+        if room <= 0:
+            raise bad_request(f"The messages take {limits.context_length - room} tokens, which fills the "
+                              f"model's context of {limits.context_length} tokens.", "messages",
+                              "context_length_exceeded")
+        max_tokens = min(room, limits.max_output_len or room)
+    _check_max_tokens(max_tokens, limits, param)
+    n = req.n or 1
+    requests = _engine_requests(req, prompt, max_tokens, n, False, bool(req.logprobs))
+    return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), bool(req.stream),
+                bool(req.stream_options and req.stream_options.include_usage))

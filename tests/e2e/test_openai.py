@@ -1,0 +1,270 @@
+"""The OpenAI-compatible frontend, end to end: a real frontend process in front of the session's
+real tritonserver, driven by the official `openai` client (sync and async) and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import socket
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import REPO_ROOT, free_ports
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import serve  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a geography tutor. Answer in one short sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And what is the capital of Italy?"},
+]
+COUNT = "Count: 1, 2, 3, 4, 5,"  # greedy: " 6, 7, 8, 9, 10, ..."
+USED = ("nv_trt_llm_kv_cache_block_metrics", "used")
+
+
+class Frontend:
+    def __init__(self, triton_grpc: str, extra: list[str] | None = None):
+        [self.port] = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = serve.start(serve.frontend_command(triton_grpc, "127.0.0.1", self.port, extra))
+
+    def wait(self, path: str) -> "Frontend":
+        serve.wait_http_ok(self.process, self.url + path, 120, "the OpenAI frontend")
+        return self
+
+    def stop(self):
+        serve.stop(self.process, timeout_s=15)
+
+
+@pytest.fixture(scope="module")
+def frontend(server):
+    handle = Frontend(server.grpc_url).wait("/health/ready")
+    yield handle
+    handle.stop()
+    # uvicorn stops gracefully on SIGINT, then re-raises it to exit as the signal asks.
+    assert handle.process.returncode in (0, -signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from preprocessing.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def _post(frontend, path, body) -> httpx.Response:
+    return httpx.post(frontend.url + path, json=body, timeout=120)
+
+
+# ----- chat -----------------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == ["ensemble"]
+
+
+def test_multi_turn_chat_with_a_system_prompt_streamed_and_not(client, tokenizer):
+    whole = client.chat.completions.create(model="ensemble", messages=CONVERSATION, max_tokens=24,
+                                           temperature=0)
+    [choice] = whole.choices
+    assert "Rome" in choice.message.content and choice.finish_reason == "stop"
+    # Exact counts: the prompt as the model's own template renders it, and the engine's count.
+    expected_prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]
+    assert whole.usage.prompt_tokens == len(expected_prompt)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model="ensemble", messages=CONVERSATION, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and len(deltas) > 3
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_async_client_seeded_sampling_streams_the_same_text(frontend):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=frontend.url + "/v1", api_key="unused",
+                                      max_retries=0) as aclient:
+            params = dict(model="ensemble", messages=[{"role": "user", "content": "Name a colour."}],
+                          max_completion_tokens=16, temperature=0.9, top_p=0.95, seed=11,
+                          frequency_penalty=0.3, presence_penalty=0.2)
+            whole = await aclient.chat.completions.create(**params)
+            stream = await aclient.chat.completions.create(**params, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return whole.choices[0].message.content, text
+
+    whole, streamed = asyncio.run(run())
+    assert whole and streamed == whole
+
+
+def test_chat_log_probs_cover_the_answer(client):
+    reply = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "Hi!"}],
+                                           max_tokens=8, temperature=0, logprobs=True, top_logprobs=0)
+    [choice] = reply.choices
+    entries = choice.logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    assert "".join(e.token for e in entries) == choice.message.content
+    assert all(e.logprob <= 0 and bytes(e.bytes).decode() == e.token for e in entries)
+
+
+# ----- completions ----------------------------------------------------------------------------
+
+def test_max_tokens_ends_with_length_and_counts_exactly(client, tokenizer):
+    reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=6, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 6
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(COUNT))
+
+
+def test_stop_strings_cut_the_text_and_never_leak(client):
+    free = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=20,
+                                     temperature=0).choices[0].text
+    for stop in (" 7", ", 9,"):  # ", 9," straddles three tokens
+        assert stop in free
+        expected = free[:free.index(stop)]
+        reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=20, temperature=0,
+                                          stop=[stop, "never seen"])
+        assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens < 20
+        stream = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=20, temperature=0,
+                                           stop=stop, stream=True)
+        pieces = [c.choices[0].text for c in stream]
+        assert "".join(pieces) == expected and all(stop not in p for p in pieces)
+
+
+def test_n_choices_are_the_single_requests_with_seed_plus_index(client):
+    params = dict(model="ensemble", prompt="Once upon a time", max_tokens=10, temperature=1.0)
+    both = client.completions.create(**params, n=2, seed=5)
+    assert [c.index for c in both.choices] == [0, 1]
+    singles = [client.completions.create(**params, seed=seed).choices[0].text for seed in (5, 6)]
+    assert [c.text for c in both.choices] == singles
+    assert both.usage.completion_tokens == 20  # prompt counted once, both outputs
+
+
+def test_echo_prepends_the_prompt(client):
+    plain = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == COUNT + plain.choices[0].text
+
+
+def test_completion_log_probs_one_per_generated_token(client):
+    reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=5, temperature=0, logprobs=0)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 5 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+
+
+def test_raw_sse_ends_with_done(frontend):
+    body = {"model": "ensemble", "prompt": COUNT, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", frontend.url + "/v1/completions", json=body, timeout=60) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in reply.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+
+
+# ----- errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]},
+     404, "model"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}],
+                              "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "wizard", "content": "Hi"}]},
+     400, "messages.0.role"),
+    # Refused by the engine itself (prompt + max_tokens beyond the context), streamed or not.
+    ("/v1/completions", {"model": "ensemble", "prompt": "Hi " * 300, "max_tokens": 8000}, 400, None),
+    ("/v1/completions", {"model": "ensemble", "prompt": "Hi " * 300, "max_tokens": 8000, "stream": True},
+     400, None),
+])
+def test_bad_requests_get_openai_errors(frontend, path, body, status, param):
+    reply = _post(frontend, path, body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def side_frontends(smollm2_dir, tmp_path_factory):
+    """A frontend whose Triton is down, and one whose tokenizer has no chat template."""
+    plain = tmp_path_factory.mktemp("no_template")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, plain / name)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    [dead_port] = free_ports(1)
+    down = Frontend(f"127.0.0.1:{dead_port}", ["--tokenizer", str(smollm2_dir)])
+    no_template = Frontend(f"127.0.0.1:{dead_port}", ["--tokenizer", str(plain)])
+    yield down.wait("/health/live"), no_template.wait("/health/live")
+    down.stop()
+    no_template.stop()
+
+
+def test_triton_down_is_a_503(side_frontends):
+    down, _ = side_frontends
+    reply = _post(down, "/v1/completions", {"model": "ensemble", "prompt": "Hi"})
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "service_unavailable"
+    assert httpx.get(down.url + "/health/ready").status_code == 503
+
+
+def test_a_model_without_chat_template_is_a_400(side_frontends):
+    _, no_template = side_frontends
+    reply = _post(no_template, "/v1/chat/completions",
+                  {"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "no_chat_template"
+
+
+# ----- cancellation ---------------------------------------------------------------------------
+
+def _assert_freed_at_once(server, timeout_s: float = 5):
+    """A 400-token answer takes ~10 s here: idle within a few seconds means it was cancelled."""
+    metrics = server.wait_idle(timeout_s=timeout_s)
+    assert metrics[USED] == 0, metrics
+    before = server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")]
+    time.sleep(0.5)
+    assert server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")] == before
+
+
+def test_a_client_leaving_mid_stream_frees_the_kv_blocks_at_once(server, frontend):
+    body = {"model": "ensemble",
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", frontend.url + "/v1/chat/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        [next(lines) for _ in range(6)]  # three events and their blank lines
+        assert server.metrics()[USED] > 0
+    _assert_freed_at_once(server)
+
+
+def test_a_client_leaving_a_non_streamed_request_frees_the_kv_blocks_at_once(server, frontend):
+    payload = json.dumps({"model": "ensemble", "prompt": "Write a very long story about a dragon.",
+                          "max_tokens": 400}).encode()
+    with socket.create_connection(("127.0.0.1", frontend.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        deadline = time.monotonic() + 60
+        while server.metrics()[USED] == 0:  # leave once the engine is generating for us
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    _assert_freed_at_once(server)

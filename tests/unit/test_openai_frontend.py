@@ -1,0 +1,259 @@
+"""openai_frontend without a server: OpenAI requests → ensemble requests, choices, responses,
+errors. A fake Triton client stands in for tritonclient (the e2e tests use the real one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from openai_frontend.app import ServedModel, create_app
+from openai_frontend.chat import ChatRenderer
+from openai_frontend.errors import APIError
+from openai_frontend.generation import collect, merge, run_choice
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.sampling import Limits, chat_plan, completion_plan
+from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
+
+LIMITS = Limits(context_length=256)
+
+
+class FakeTokenizer:
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text, add_special_tokens):
+        return list(range(len(text.split())))
+
+
+class FakeTriton:
+    """Answers every request with `pieces` (one chunk each, log prob -0.5 per token)."""
+
+    def __init__(self, pieces=("Hel", "lo", " wor", "ld", "!"), error: str | None = None):
+        self.pieces = pieces
+        self.error = error
+        self.requests: list[EngineRequest] = []
+        self.num_closed = 0
+        self.num_sent = 0
+
+    async def check_ready(self, fresh=False):
+        pass
+
+    async def generate(self, request: EngineRequest, request_id: str = ""):
+        self.requests.append(request)
+        try:
+            for i, text in enumerate(self.pieces[:request.max_tokens]):
+                await asyncio.sleep(0)
+                if self.error and i == 2:
+                    raise classify(self.error)
+                self.num_sent += 1
+                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1)
+        finally:
+            self.num_closed += 1
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _choice(triton, stops=(), max_tokens=16, logprobs=False):
+    request = EngineRequest(prompt="p", max_tokens=max_tokens, return_log_probs=logprobs)
+    return _run(collect(run_choice(triton, request, 0, stops), 1))[0]
+
+
+def test_a_stop_string_straddling_chunks_ends_the_choice_and_cancels_the_request():
+    triton = FakeTriton()
+    result = _choice(triton, stops=["lo wo"], logprobs=True)
+    assert result.text == "Hel" and result.finish_reason == "stop"
+    assert result.tokens == [("Hel", -0.5)]  # the tokens of the released text only
+    assert triton.num_sent == 3 and triton.num_closed == 1  # stopped reading at " wor"
+    assert result.num_output_tokens == 3 and result.num_input_tokens == 7
+
+
+def test_finish_reason_length_when_max_tokens_is_reached_else_stop():
+    assert _choice(FakeTriton(), max_tokens=2).finish_reason == "length"
+    whole = _choice(FakeTriton(), max_tokens=16)
+    assert whole.text == "Hello world!" and whole.finish_reason == "stop"
+
+
+def test_a_held_back_prefix_that_never_completes_is_sent_at_the_end():
+    assert _choice(FakeTriton(), stops=["!!"]).text == "Hello world!"
+
+
+def test_log_prob_tokens_add_up_to_the_text():
+    result = _choice(FakeTriton(), logprobs=True)
+    assert "".join(t for t, _ in result.tokens) == result.text and len(result.tokens) == 5
+
+
+def test_merge_interleaves_choices_and_an_error_cancels_the_others():
+    triton = FakeTriton()
+    streams = [run_choice(triton, EngineRequest("p", 16), i, ()) for i in range(3)]
+    results = _run(collect(merge(streams), 3))
+    assert [r.text for r in results] == ["Hello world!"] * 3
+
+    failing = FakeTriton(error="in ensemble 'ensemble', top_p must be in (0, 1], got 1.5")
+    with pytest.raises(APIError) as info:
+        _run(collect(merge([run_choice(failing, EngineRequest("p", 16), i, ()) for i in range(3)]), 3))
+    assert info.value.status == 400 and info.value.message == "top_p must be in (0, 1], got 1.5"
+    assert failing.num_closed == 3  # every Triton request was cancelled or finished
+
+
+@pytest.mark.parametrize("message, status", [
+    ("in ensemble 'ensemble', text_input is empty", 400),
+    ("prompt (9 tokens) + max_tokens (9000) exceeds the maximum sequence length of 8192", 400),
+    ("Maximum queue size of 4 has been reached", 503),
+    ("Exceeds maximum queue size", 503),
+    ("Request for unknown model: 'ensemble' is not found", 503),
+    ("Stub process 'tensorrt_llm_0_0' is not healthy.", 503),
+    ("in ensemble 'ensemble', engine step failed: RuntimeError: boom", 500),
+    ("in ensemble 'ensemble', TypeError: bad operand", 500),
+])
+def test_triton_error_messages_map_to_http_statuses(message, status):
+    assert classify(message).status == status
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi there"}], **fields)
+
+
+def test_chat_plan_renders_the_template_and_asks_for_no_extra_special_tokens():
+    plan = chat_plan(_chat(max_tokens=5), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
+    [request] = plan.requests
+    assert request.prompt == "<user>Hi there<assistant>"
+    assert request.add_special_tokens is False and request.max_tokens == 5
+    assert request.temperature == 1.0  # OpenAI's default, not greedy
+
+
+def test_chat_default_max_tokens_fills_the_context():
+    renderer = ChatRenderer(FakeTokenizer(), "m")
+    assert chat_plan(_chat(), renderer, LIMITS).requests[0].max_tokens == 256 - 2
+    assert chat_plan(_chat(), renderer, Limits(256, max_output_len=50)).requests[0].max_tokens == 50
+    both = chat_plan(_chat(max_completion_tokens=9, max_tokens=3), renderer, LIMITS)
+    assert both.requests[0].max_tokens == 9
+
+
+def test_n_choices_get_distinct_seeds_and_prompts_keep_their_order():
+    plan = completion_plan(CompletionRequest(model="m", prompt=["a", "b"], n=2, seed=41), LIMITS)
+    assert [(r.prompt, r.seed) for r in plan.requests] == [("a", 41), ("a", 42), ("b", 43), ("b", 44)]
+    assert plan.choices_per_prompt == 2 and all(r.add_special_tokens is None for r in plan.requests)
+    negative = completion_plan(CompletionRequest(model="m", prompt="a", seed=-1), LIMITS)
+    assert negative.requests[0].seed == 2**64 - 1
+
+
+def test_extensions_reach_the_engine():
+    plan = completion_plan(CompletionRequest(model="m", prompt="a", max_tokens=9, ignore_eos=True, top_k=5,
+                                             repetition_penalty=1.1), LIMITS)
+    [request] = plan.requests
+    assert (request.min_tokens, request.top_k, request.repetition_penalty) == (9, 5, 1.1)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": "a", "logprobs": 2}, "logprobs"),
+    ({"prompt": "a", "logprobs": 0, "echo": True}, "echo"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "max_tokens": 256}, "max_tokens"),
+    ({"prompt": "a", "stop": ["ok", ""]}, "stop"),
+])
+def test_completion_requests_the_engine_cannot_serve_are_refused_by_name(fields, param):
+    with pytest.raises(APIError) as info:
+        completion_plan(CompletionRequest(model="m", **fields), LIMITS)
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 0}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_chat_requests_the_engine_cannot_serve_are_refused_by_name(fields, param):
+    with pytest.raises(APIError) as info:
+        chat_plan(_chat(**fields), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_a_tokenizer_without_template_and_non_text_content_get_clear_400s():
+    no_template = FakeTokenizer()
+    no_template.chat_template = None
+    with pytest.raises(APIError, match="has no chat template"):
+        chat_plan(_chat(), ChatRenderer(no_template, "m"), LIMITS)
+    image = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(APIError, match="only text"):
+        chat_plan(image, ChatRenderer(FakeTokenizer(), "m"), LIMITS)
+
+
+# ----- the app, through ASGI ------------------------------------------------------------------
+
+def _app(triton=None):
+    served = ServedModel("m", ChatRenderer(FakeTokenizer(), "m"), LIMITS, created=0)
+    return create_app(triton or FakeTriton(), served)
+
+
+async def _post(path, body, triton=None):
+    transport = httpx.ASGITransport(app=_app(triton))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post(path, json=body)
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"model": "other", "prompt": "a"}, 404, "model", "model_not_found"),
+    ({"model": "m", "prompt": "a", "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    ({"model": "m", "prompt": "a", "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    ({"model": "m"}, 400, "prompt", "missing_required_parameter"),
+    ({"model": "m", "prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, 400, "stop", "invalid_value"),
+    ({"model": "m", "prompt": "a", "n": 0}, 400, "n", "invalid_value"),
+])
+def test_errors_have_openais_shape_and_status(body, status, param, code):
+    reply = _run(_post("/v1/completions", body))
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["code"] == code and "Traceback" not in reply.text
+
+
+def test_chat_stream_shape_with_usage():
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    reply = _run(_post("/v1/chat/completions", body))
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in reply.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    # As OpenAI: the finish reason comes in a chunk of its own, with an empty delta.
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, "length"]
+    assert chunks[-2]["choices"][0]["delta"] == {}
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def test_an_error_before_the_first_chunk_gets_its_status_not_a_stream():
+    triton = FakeTriton(pieces=(), error=None)
+    triton.generate = _failing_generate
+    body = {"model": "m", "prompt": "a", "stream": True}
+    reply = _run(_post("/v1/completions", body, triton))
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "service_unavailable"
+
+
+async def _failing_generate(request, request_id=""):
+    raise classify("Maximum queue size of 4 has been reached")
+    yield  # an async generator
+
+
+def test_completion_with_echo_and_n_counts_the_prompt_once():
+    reply = _run(_post("/v1/completions", {"model": "m", "prompt": "Say", "n": 2, "echo": True,
+                                           "max_tokens": 2}))
+    data = reply.json()
+    assert [c["text"] for c in data["choices"]] == ["SayHello"] * 2
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}

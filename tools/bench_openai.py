@@ -1,0 +1,255 @@
+"""What the OpenAI frontend costs: the same load through it and straight to Triton, in one run.
+
+    python tools/bench_openai.py                       # starts its own tritonserver + frontend
+    python tools/bench_openai.py --grpc-url 127.0.0.1:8001 --openai-url http://127.0.0.1:9000
+
+Both paths stream the same chat prompts with the same settings (greedy, exactly `--max-tokens`
+output tokens through `min_tokens`): the frontend through `/v1/chat/completions` (httpx, SSE,
+`include_usage`), the direct path to the gRPC ensemble with `apply_chat_template`, which renders
+the same template into the same prompt tokens (checked). The two paths take turns (request by
+request at concurrency 1, A B B A above), so drift on a shared machine falls on both. Prints time
+to first token (p50), output tok/s, and the ratios: frontend TTFT − direct TTFT at concurrency 1
+(target ≤ 1 ms) and frontend tok/s ÷ direct tok/s at 64 (target ≥ 95 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.grpc.aio as grpcaio  # noqa: E402
+
+from ensemble.io_contract import ENSEMBLE  # noqa: E402
+
+PROMPTS = [
+    "Explain what a hash table is.", "Write a short poem about the sea.",
+    "Give three tips for learning a new language.", "Describe how a bicycle works.",
+    "What causes the seasons on Earth?", "Summarise the plot of a detective story you invent.",
+    "List some uses of a paperclip.", "Why is the sky blue?",
+]
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    num_output_tokens: int
+    num_input_tokens: int
+
+
+@dataclass
+class Level:
+    samples: list[Sample]
+    wall_s: float
+    cpu_s: float | None = None  # the frontend process's CPU time, when this tool started it
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return 1000 * statistics.median(s.ttft_s for s in self.samples)
+
+    @property
+    def tok_per_s(self) -> float:
+        return sum(s.num_output_tokens for s in self.samples) / self.wall_s
+
+
+def _tensor(name, value):
+    spec = ENSEMBLE.input(name)
+    value = value.encode() if isinstance(value, str) else value
+    array = np.array([[value]], dtype=spec.numpy_dtype)
+    tensor = grpcclient.InferInput(name, [1, 1], spec.client_dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+async def direct(client: grpcaio.InferenceServerClient, prompt: str, max_tokens: int) -> Sample:
+    values = {"text_input": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "stream": True,
+              "apply_chat_template": True, "exclude_input_in_output": True,
+              "return_num_input_tokens": True, "return_num_output_tokens": True}
+    inputs = [_tensor(name, value) for name, value in values.items()]
+
+    async def one():
+        yield {"model_name": "ensemble", "inputs": inputs}
+
+    start, ttft, out = time.perf_counter(), None, None
+    async for result, error in client.stream_infer(one()):
+        if error is not None:
+            raise RuntimeError(str(error))
+        text = result.as_numpy("text_output")
+        if ttft is None and text is not None and text.reshape(-1)[0]:
+            ttft = time.perf_counter() - start
+        out = result
+    return Sample(ttft, int(out.as_numpy("num_output_tokens").reshape(-1)[0]),
+                  int(out.as_numpy("num_input_tokens").reshape(-1)[0]))
+
+
+async def frontend(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": "ensemble", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "min_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, ttft, usage = time.perf_counter(), None, None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    return Sample(ttft, usage["completion_tokens"], usage["prompt_tokens"])
+
+
+async def run_level(request, concurrency: int, num_requests: int, max_tokens: int) -> Level:
+    queue = [PROMPTS[i % len(PROMPTS)] for i in range(num_requests)]
+    samples: list[Sample] = []
+
+    async def worker():
+        while queue:
+            samples.append(await request(queue.pop(0), max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Level(samples, time.perf_counter() - start)
+
+
+def _merge(levels: list[Level]) -> Level:
+    cpu = [lv.cpu_s for lv in levels if lv.cpu_s is not None]
+    return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels),
+                 sum(cpu) if cpu else None)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process (Linux /proc), or None."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measured(request, pid, *args) -> Level:
+    before = cpu_seconds(pid)
+    level = await run_level(request, *args)
+    if before is not None:
+        level.cpu_s = cpu_seconds(pid) - before
+    return level
+
+
+async def run_pairs(paths: dict, pids: dict, num_pairs: int, max_tokens: int) -> dict[str, Level]:
+    """Concurrency 1, one request per path in turn (the order alternating), so the engine's
+    drift on a shared machine falls on both paths alike."""
+    runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
+    for i in range(num_pairs):
+        for name in ("direct", "frontend") if i % 2 == 0 else ("frontend", "direct"):
+            runs[name].append(await measured(paths[name], pids[name], 1, 1, max_tokens))
+    return {name: _merge(levels) for name, levels in runs.items()}
+
+
+async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
+                args) -> dict[int, dict[str, Level]]:
+    client = grpcaio.InferenceServerClient(grpc_url)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=openai_url, limits=limits, timeout=600) as http:
+        paths = {"direct": lambda p, n: direct(client, p, n), "frontend": lambda p, n: frontend(http, p, n)}
+        pids = {"direct": None, "frontend": frontend_pid}
+        for name, request in paths.items():  # warm up both (first-use costs on both sides)
+            await run_level(request, 4, 4, 8)
+        results = {}
+        for concurrency in args.concurrency:
+            if concurrency == 1:
+                results[1] = await run_pairs(paths, pids, args.requests_at_1, args.max_tokens_at_1)
+            else:
+                runs: dict[str, list[Level]] = {"direct": [], "frontend": []}
+                for name in ("direct", "frontend", "frontend", "direct"):
+                    runs[name].append(await measured(paths[name], pids[name], concurrency,
+                                                     concurrency * args.rounds // 2, args.max_tokens))
+                results[concurrency] = {name: _merge(levels) for name, levels in runs.items()}
+            report_level(concurrency, results[concurrency])
+    await client.close()
+    return results
+
+
+def report_level(concurrency: int, level: dict[str, Level]) -> None:
+    direct_, front = level["direct"], level["frontend"]
+    prompts = {(s.num_input_tokens) for s in direct_.samples} ^ {(s.num_input_tokens) for s in front.samples}
+    assert not prompts, f"the two paths saw different prompt lengths: {prompts}"
+    for name, lv in level.items():
+        cpu = ""
+        if lv.cpu_s is not None:
+            tokens = sum(s.num_output_tokens for s in lv.samples)
+            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request, "
+                   f"{1e6 * lv.cpu_s / tokens:.0f} µs/token")
+        print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
+              f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s{cpu}", flush=True)
+    paired = ""
+    if concurrency == 1:  # request i of each path ran back to back
+        diffs = [f.ttft_s - d.ttft_s for f, d in zip(front.samples, direct_.samples)]
+        paired = f" (median of paired differences {1000 * statistics.median(diffs):+.2f} ms)"
+    print(f"  concurrency {concurrency:>3}  frontend − direct TTFT p50: "
+          f"{front.ttft_p50_ms - direct_.ttft_p50_ms:+.2f} ms{paired}; "
+          f"frontend ÷ direct tok/s: {front.tok_per_s / direct_.tok_per_s:.3f}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grpc-url", help="a running Triton (default: start one)")
+    parser.add_argument("--openai-url", help="a running frontend in front of it (default: start one)")
+    parser.add_argument("--frontend-pid", type=int, help="that frontend's process id, to report its CPU time")
+    parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--requests-at-1", type=int, default=24, help="requests at concurrency 1, per path")
+    parser.add_argument("--max-tokens-at-1", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="at concurrency c: c × rounds requests per path")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        grpc_url, openai_url, frontend_pid = args.grpc_url, args.openai_url, args.frontend_pid
+        if grpc_url is None:
+            from tests.e2e.server import running_server
+
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            grpc_url = stack.enter_context(running_server(Path(args.model), work_dir)).grpc_url
+        if openai_url is None:
+            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url))
+        print(f"Triton gRPC {grpc_url}, OpenAI frontend {openai_url}", flush=True)
+        results = asyncio.run(bench(grpc_url, openai_url, frontend_pid, args))
+    print("\nsummary")
+    for concurrency, level in results.items():
+        report_level(concurrency, level)
+    return 0
+
+
+@contextlib.contextmanager
+def _frontend(grpc_url: str):
+    import serve
+    from tests.e2e.server import free_ports
+
+    [port] = free_ports(1)
+    process = serve.start(serve.frontend_command(grpc_url, "127.0.0.1", port, ["--log-level", "warning"]))
+    try:
+        serve.wait_http_ok(process, f"http://127.0.0.1:{port}/health/ready", 120, "the OpenAI frontend")
+        yield f"http://127.0.0.1:{port}", process.pid
+    finally:
+        serve.stop(process, timeout_s=15)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Start tritonserver and the OpenAI-compatible frontend together; one Ctrl-C stops both.
+
+    python tools/serve.py --model_repo build/repository [--openai_port 9000] [launcher flags ...]
+
+Triton is started by `tools/launch_triton_server.py` (every flag but this tool's own goes to it
+unchanged), the frontend by `python -m openai_frontend` once Triton is ready; then both
+addresses are printed. Ctrl-C or SIGTERM stops the frontend first (so no new request arrives),
+then the launcher, which stops Triton. If either child exits, the other is stopped and this tool
+exits non-zero. Each child runs in its own session, so a terminal's Ctrl-C reaches this tool
+only, and gets SIGINT if this tool dies, so no process is orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+
+import launch_triton_server  # noqa: E402
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:
+    """In the child: default SIGINT (a shell may have started us with it ignored), and SIGINT
+    when the parent dies. SIGINT is what the launcher and uvicorn stop cleanly on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
+    except (OSError, AttributeError):  # not Linux: the explicit stop below still applies
+        pass
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM takes the same way out as Ctrl-C."""
+    raise KeyboardInterrupt()
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup,
+                            cwd=str(TOOLS.parent))
+
+
+def frontend_command(triton_grpc: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "openai_frontend", "--triton-url", triton_grpc, "--host", host,
+            "--port", str(port), *(extra or [])]
+
+
+def wait_http_ok(process: subprocess.Popen, url: str, timeout_s: float, what: str) -> None:
+    """Poll `url` until it answers 200; raise ServerError if `process` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise launch_triton_server.ServerError(f"{what} exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise launch_triton_server.ServerError(f"{what} was not ready within {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGINT, then SIGKILL after `timeout_s`."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--openai_port", type=int, default=9000)
+    parser.add_argument("--served_model_name", help="the model id OpenAI clients send (default: ensemble)")
+    parser.add_argument("--frontend_ready_timeout", type=float, default=120)
+    own, launcher_argv = parser.parse_known_args(argv)
+    if "-h" in launcher_argv or "--help" in launcher_argv:
+        parser.print_help()
+        print("\nEvery other flag goes to tools/launch_triton_server.py:")
+        launch_triton_server.parse_args(["--help"])
+    return own, launcher_argv
+
+
+def main(argv=None) -> int:
+    args, launcher_argv = parse_args(argv)
+    triton = launch_triton_server.parse_args(launcher_argv)  # to know its ports; it parses them again
+    local = "127.0.0.1" if triton.host in ("0.0.0.0", "") else triton.host
+    signal.signal(signal.SIGTERM, _interrupt)
+    launcher = frontend = None
+    try:
+        launcher = start([sys.executable, str(TOOLS / "launch_triton_server.py"), *launcher_argv])
+        launch_triton_server.wait_ready(launcher, triton.host, triton.http_port, triton.ready_timeout)
+        extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
+                                          extra))
+        wait_http_ok(frontend, f"http://{local}:{args.openai_port}/health/ready",
+                     args.frontend_ready_timeout, "the OpenAI frontend")
+        print(f"Triton:     http://{triton.host}:{triton.http_port}  grpc {triton.host}:{triton.grpc_port}  "
+              f"metrics http://{triton.host}:{triton.metrics_port}/metrics", flush=True)
+        print(f"OpenAI API: http://{triton.host}:{args.openai_port}/v1  "
+              f"(model '{args.served_model_name or 'ensemble'}'; Ctrl-C stops both)", flush=True)
+        while launcher.poll() is None and frontend.poll() is None:
+            time.sleep(0.5)
+        which = "tritonserver's launcher" if launcher.poll() is not None else "the OpenAI frontend"
+        print(f"error: {which} exited; stopping the other", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping the OpenAI frontend and tritonserver", flush=True)
+        return 0
+    except launch_triton_server.ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        stop(frontend, timeout_s=15)
+        stop(launcher, timeout_s=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,19 +33,6 @@ class RecordLogits(LogitsProcessor):
 
 
 @contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op torch thread inside. The test machines have 2 cores shared with other jobs;
-    with 2 OpenMP threads every parallel region waits for a thread that may not be running, which
-    made these tests 10-20x slower under load. One thread costs little when the machine is idle."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
 def shared_weights() -> Iterator[None]:
     """Engines built inside share one loaded copy of each checkpoint (weights are read-only at
     inference; every engine still gets its own KV cache, scheduler and block manager)."""

@@ -15,15 +15,13 @@ import torch
 import transformers
 
 from inflight.executor.types import FinishReason, OutputConfig, Request, SamplingConfig
-from tests.unit.engine_utils import (RecordLogits, final, gen_request, make_engine, output_tokens, run,
+from tests.model.engine_utils import (RecordLogits, final, gen_request, make_engine, output_tokens, run,
                                      shared_weights)
 
 NUM_NEW = 16
 TEXTS = ["The capital of France is", "one two one two one two one two", "def add(a, b):"]
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95)
 
-
-pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,14 @@ import transformers
 from inflight.executor.config import KvCacheConfig
 from inflight.executor.types import FinishReason, RequestError
 from inflight.runtime import LogitsProcessor, ModelRunner, StoppingCriteria
-from tests.unit.checkpoints import TINY_KINDS, save_tiny_checkpoint
-from tests.unit.engine_utils import (assert_kv_idle, final, gen_request, hf_greedy, make_engine,
+from tests.model.checkpoints import TINY_KINDS, save_tiny_checkpoint
+from tests.model.engine_utils import (assert_kv_idle, final, gen_request, hf_greedy, make_engine,
                                      output_tokens, run)
 
 NUM_NEW = 24
 EOS = 2  # SmolLM2's <|im_end|> (its only eos id)
 PLAIN_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
-
-pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

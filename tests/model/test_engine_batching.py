@@ -14,7 +14,7 @@ import transformers
 
 from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
 from inflight.executor.types import FinishReason, Request, SamplingConfig
-from tests.unit.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
+from tests.model.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
                                      output_tokens, run)
 
 NUM_NEW = 16
@@ -42,8 +42,6 @@ CONFIGS = {
                             scheduler_config=MAX_UTILIZATION),
 }
 
-
-pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

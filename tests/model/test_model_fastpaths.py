@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from inflight.model.attention import AttentionMetadata, TorchPagedAttention
 from inflight.model.loader import _owned, load_model
 from inflight.model.rotary import RotaryEmbedding, apply_rotary, apply_rotary_signed
-from tests.unit.checkpoints import tiny_hf_model
+from tests.model.checkpoints import tiny_hf_model
 
 
 def test_signed_rotary_is_bit_identical_to_rotate_half():

@@ -16,13 +16,11 @@ from inflight.engine import EngineFatalError
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.executor import Executor
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from tests.unit.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
+from tests.model.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
 
 PROMPTS = [[1, 17, 250, 33], [1, 5], list(range(3, 30)), [7, 300, 301, 7, 300, 9, 9]]
 NUM_NEW = 12
 
-
-pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

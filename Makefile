@@ -14,8 +14,10 @@ HOST ?= 127.0.0.1
 # Extra tools/build_repository.py flags, e.g. BUILD_ARGS="--batch_scheduler_policy max_utilization"
 BUILD_ARGS ?=
 PYTEST_ARGS ?=
+# tools/numerics_sweep.py flags, e.g. SWEEP_ARGS="--threads 2 --mkl-isa SSE4_2"
+SWEEP_ARGS ?=
 
-.PHONY: setup model repository serve test test-unit test-e2e bench gpu-smoke clean
+.PHONY: setup model repository serve test test-unit test-model test-e2e test-gpu test-numerics bench gpu-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -39,14 +41,30 @@ serve: repository
 	$(PY) tools/launch_triton_server.py --model_repo $(REPO) --host $(HOST) \
 		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT)
 
+# Every tier (tests/gpu skips itself without CUDA); CI runs this.
 test: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-test-unit: model
+# Control plane and wire formats: pure Python, no torch, no weights. Any Python with pytest and
+# numpy runs it without .venv: `make test-unit PY=python3`.
+test-unit: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+# torch on the CPU: HF parity, engine, sampler, tokenizer/detokenizer. INFLIGHT_TEST_THREADS=N
+# sets its CPU threads (default 1).
+test-model: model
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/model
 
 test-e2e: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/e2e
+
+# On a CUDA machine.
+test-gpu: model
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu
+
+# The model tier under threads 1/2/4 x ATen kernels default/avx2/avx512 (those this CPU has).
+test-numerics: model
+	$(PY) tools/numerics_sweep.py $(SWEEP_ARGS)
 
 bench: model
 	$(PY) tools/bench_engine.py --model $(MODEL)

@@ -45,6 +45,7 @@ class Server:
     grpc_port: int
     metrics_port: int
     log_file: Path
+    pid: int  # tritonserver's; also the id of the session its python stubs run in
 
     @property
     def grpc_url(self) -> str:
@@ -215,7 +216,7 @@ def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None =
         "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
         "--log-file", str(log_file), "--shm_prefix", f"inflighttest{http_port}_"])
     process, scratch = launch_triton_server.launch(launch_args, env)
-    server = Server(http_port, grpc_port, metrics_port, log_file)
+    server = Server(http_port, grpc_port, metrics_port, log_file, process.pid)
     try:
         try:
             launch_triton_server.wait_ready(process, "127.0.0.1", http_port, timeout_s=300)

@@ -23,6 +23,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
 from inflight.model.rotary import compute_inv_freq
 from tests.model.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
+from tests.model.engine_utils import hf_greedy
 from tests.model.numerics import assert_greedy_tokens_match, assert_logits_close
 
 BLOCK_SIZE = 4
@@ -87,13 +88,6 @@ def paged_greedy(model, config, prompt, max_new, chunk=None, seed=0):
             logits = runner.step([([tokens[-1]], pos, table)])[0]
             pos += 1
     return tokens, step_logits
-
-
-def hf_greedy(hf, prompt, max_new):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, output_logits=True,
-                      return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [lg[0] for lg in out.logits]
 
 
 def assert_greedy_parity(hf, model, config, prompt, max_new, chunk=None):

@@ -32,7 +32,7 @@ def test_request_rows_maps_nvidia_tensors_to_executor_fields():
     assert request.input_token_ids == [5, 6, 7]
     assert request.max_tokens == 4 and request.end_id == 2 and request.streaming
     sc = request.sampling_config
-    assert (sc.temperature, sc.top_k, sc.seed, sc.min_tokens) == (pytest.approx(0.7), 5, 42, 3)
+    assert (sc.temperature, sc.top_k, sc.seed, sc.min_tokens) == (float(np.float32(0.7)), 5, 42, 3)
     assert request.stop_words == [[11, 12], [13]]
     assert request.output_config.exclude_input_from_output and request.output_config.return_log_probs
     assert options.streaming and options.batch_size == 1

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import shared_weights
@@ -48,11 +49,17 @@ def pytest_configure(config):
     torch.set_num_threads(num_test_threads())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smol(smollm2_dir):
-    """The default model's folder, its weights loaded once for the module's engines."""
+    """The default model's folder, its weights loaded once for every engine of the session."""
     with shared_weights():
         yield smollm2_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    """Hugging Face's SmolLM2 in fp32: the reference the model and engine are held to."""
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

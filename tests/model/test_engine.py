@@ -44,10 +44,9 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_refs(smollm2_dir, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
+def hf_refs(smollm2_hf, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
     """HF greedy continuations of `prompts` (eos disabled) with their logits."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    return [hf_greedy(hf, p, NUM_NEW) for p in prompts]
+    return [hf_greedy(smollm2_hf, p, NUM_NEW) for p in prompts]
 
 
 def test_smollm2_greedy_matches_hf(smol, hf_refs, prompts):

@@ -18,6 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import inflight.worker
 from inflight.model.attention import AttentionMetadata
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model, resolve_dtype
@@ -41,10 +42,9 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    model, config = load_model(smollm2_dir, torch.float32, "cpu")
-    return hf, model, config
+def smollm2(smol, smollm2_hf):
+    model, config = inflight.worker.load_model(smol, torch.float32, torch.device("cpu"))  # shared copy
+    return smollm2_hf, model, config
 
 
 def scattered_table(num_blocks: int, seed: int, exclude: set[int] = frozenset()) -> list[int]:

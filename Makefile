@@ -17,8 +17,11 @@ BUILD_ARGS ?=
 # Extra tools/launch_triton_server.py flags, e.g. SERVE_ARGS="--exit_timeout 60"
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# tools/numerics_sweep.py flags, e.g. SWEEP_ARGS="--threads 2 --mkl-isa SSE4_2"
+SWEEP_ARGS ?=
 
-.PHONY: setup model repository serve serve-triton test test-unit test-e2e bench bench-openai gpu-smoke clean
+.PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
+	test-numerics bench bench-openai gpu-smoke clean
 
 setup: $(VENV)/.installed
 
@@ -48,14 +51,30 @@ serve-triton: repository
 	$(PY) tools/launch_triton_server.py --model_repo $(REPO) --host $(HOST) \
 		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT) $(SERVE_ARGS)
 
+# Every tier (tests/gpu skips itself without CUDA); CI runs this.
 test: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-test-unit: model
+# Control plane and wire formats: pure Python, no torch, no weights. Any Python with pytest and
+# numpy runs it without .venv: `make test-unit PY=python3`.
+test-unit: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/unit
+
+# torch on the CPU: HF parity, engine, sampler, tokenizer/detokenizer. INFLIGHT_TEST_THREADS=N
+# sets its CPU threads (default 1).
+test-model: model
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/model
 
 test-e2e: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/e2e
+
+# On a CUDA machine.
+test-gpu: model
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu
+
+# The model tier under threads 1/2/4 x ATen kernels default/avx2/avx512 (those this CPU has).
+test-numerics: model
+	$(PY) tools/numerics_sweep.py $(SWEEP_ARGS)
 
 bench: model
 	$(PY) tools/bench_engine.py --model $(MODEL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -52,9 +53,11 @@ class RequestState:
 class LLMEngine:
     """Owns the scheduler, the block manager and the worker; turns requests into responses."""
 
-    def __init__(self, model_dir: str, config: ExecutorConfig | None = None):
-        self.config = config or ExecutorConfig()
-        self.worker = Worker(str(model_dir), self.config)
+    def __init__(self, config: ExecutorConfig, worker: Worker):
+        """`worker` runs the model: the `Worker` that `from_dir` builds, or a stand-in with its
+        `model_config`, `num_blocks`, `block_size`, `max_seq_len`, `device` and `execute`."""
+        self.config = config
+        self.worker = worker
         self.model_config = self.worker.model_config
         self.block_manager = BlockManager(self.worker.num_blocks, self.worker.block_size,
                                           self.config.kv_cache_config.enable_block_reuse)
@@ -70,6 +73,12 @@ class LLMEngine:
         self.last_stats = IterationStats()
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, config: ExecutorConfig | None = None) -> "LLMEngine":
+        """An engine over a Hugging Face folder, with the real `Worker`."""
+        config = config or ExecutorConfig()
+        return cls(config, Worker(str(model_dir), config))
 
     # ----- requests in and out -------------------------------------------------------------
 

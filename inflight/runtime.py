@@ -55,7 +55,7 @@ class ModelRunner:
         unknown = set(config) - known
         if unknown:
             raise TypeError(f"unknown ExecutorConfig fields: {sorted(unknown)}")
-        engine = LLMEngine(str(model_dir), ExecutorConfig(**config))
+        engine = LLMEngine.from_dir(model_dir, ExecutorConfig(**config))
         tokenizer = None
         if load_tokenizer:
             from transformers import AutoTokenizer

@@ -1,4 +1,11 @@
-"""Shared fixtures: where the default model lives, and tiny random checkpoints."""
+"""What every tier shares: where the default model lives. Imports neither torch nor a model.
+
+Tiers (each conftest imports only what its tier needs):
+  tests/unit   pure Python + numpy: control plane, wire contract, config readers (no torch, no weights)
+  tests/model  torch on the CPU: HF parity, engine, sampler, tokenizer/detokenizer, tiny checkpoints
+  tests/e2e    a real tritonserver on loopback ports
+  tests/gpu    CUDA only (marker `gpu`); skipped where CUDA is absent
+"""
 
 from __future__ import annotations
 

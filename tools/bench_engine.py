@@ -270,7 +270,7 @@ def main() -> None:
     load_start = time.perf_counter()
     max_c = max(concurrencies)
     max_len = max(map(len, prompts)) + args.num_tokens
-    engine = LLMEngine(str(args.model), ExecutorConfig(
+    engine = LLMEngine.from_dir(args.model, ExecutorConfig(
         device=args.device, dtype=args.dtype, max_batch_size=max_c,
         max_num_tokens=max(8192, max_c * max_len), max_seq_len=max_len,
         kv_cache_config=KvCacheConfig(max_tokens=max_c * max_len + 64,

@@ -99,7 +99,7 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
 def engine_greedy(model_dir: Path, prompts: list[list[int]], num_tokens: int, device: str,
                   dtype: str) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt, all in flight together; (tokens, seconds)."""
-    engine = LLMEngine(str(model_dir), ExecutorConfig(
+    engine = LLMEngine.from_dir(model_dir, ExecutorConfig(
         device=device, dtype=dtype, max_batch_size=len(prompts), max_seq_len=512,
         kv_cache_config=KvCacheConfig(max_tokens=len(prompts) * 512)))
     ids = [engine.add_request(Request(input_token_ids=p, max_tokens=num_tokens, end_id=-1,
@@ -167,7 +167,7 @@ def sync_audit(model_dir: Path, prompt: list[int]) -> list[str]:
     is caught while the op's Python caller is still on the stack, so each sync is reported
     with the innermost frames that led to it.
     """
-    engine = LLMEngine(str(model_dir), ExecutorConfig(device="cuda", dtype="bfloat16",
+    engine = LLMEngine.from_dir(model_dir, ExecutorConfig(device="cuda", dtype="bfloat16",
                                                       max_batch_size=2, max_seq_len=512,
                                                       kv_cache_config=KvCacheConfig(max_tokens=1024)))
     for _ in range(2):
@@ -204,7 +204,7 @@ def sync_audit(model_dir: Path, prompt: list[int]) -> list[str]:
 def profile_decode(model_dir: Path, prompt: list[int], batch: int) -> list[str]:
     """One CUDA bf16 decode step of `batch` rows under torch.profiler: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
-    engine = LLMEngine(str(model_dir), ExecutorConfig(device="cuda", dtype="bfloat16",
+    engine = LLMEngine.from_dir(model_dir, ExecutorConfig(device="cuda", dtype="bfloat16",
                                                       max_batch_size=batch, max_seq_len=512,
                                                       kv_cache_config=KvCacheConfig(max_tokens=batch * 512)))
     for _ in range(batch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -46,13 +47,17 @@ class SoakReport:
                 f"perf_analyzer exit code: {self.perf_analyzer_rc}"]
 
 
-def server_rss_mib() -> float:
-    """Resident memory of every tritonserver and python stub process, in MiB."""
+def server_rss_mib(session_id: int | None = None) -> float:
+    """Resident memory of the tritonserver and python stub processes, in MiB: those of one
+    server (its session: `launch_triton_server` starts each in its own) or, without
+    `session_id`, every one on the machine."""
     total_kib = 0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
+            if session_id is not None and os.getsid(int(proc.name)) != session_id:
+                continue
             cmdline = (proc / "cmdline").read_bytes()
             if b"bin/tritonserver" in cmdline or b"triton_python_backend_stub" in cmdline:
                 status = (proc / "status").read_text()
@@ -81,11 +86,12 @@ def perf_analyzer_command(grpc_url: str, duration_s: float, concurrency: int) ->
 
 
 def run_soak(grpc_url: str, metrics_url: str, duration_s: float, concurrency: int,
-             warmup_s: float = 15) -> SoakReport:
-    """Warm up (so lazily allocated memory is in the baseline), then load for `duration_s`."""
+             warmup_s: float = 15, server_session: int | None = None) -> SoakReport:
+    """Warm up (so lazily allocated memory is in the baseline), then load for `duration_s`.
+    `server_session`: count only that server's memory (see `server_rss_mib`)."""
     subprocess.run(perf_analyzer_command(grpc_url, warmup_s, concurrency), capture_output=True)
     before = scrape(metrics_url)
-    rss_start = server_rss_mib()
+    rss_start = server_rss_mib(server_session)
     cmd = perf_analyzer_command(grpc_url, duration_s, concurrency)
     print("running:", " ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode
@@ -100,7 +106,7 @@ def run_soak(grpc_url: str, metrics_url: str, duration_s: float, concurrency: in
     return SoakReport(
         requests=int(metric(after, ensemble.format("success")) - metric(before, ensemble.format("success"))),
         errors=int(metric(after, ensemble.format("failure")) - metric(before, ensemble.format("failure"))),
-        rss_start_mib=rss_start, rss_end_mib=server_rss_mib(),
+        rss_start_mib=rss_start, rss_end_mib=server_rss_mib(server_session),
         kv_free=metric(after, r'nv_trt_llm_kv_cache_block_metrics\{[^}]*kv_cache_block_type="free"'),
         kv_max=metric(after, r'nv_trt_llm_kv_cache_block_metrics\{[^}]*kv_cache_block_type="max"'),
         perf_analyzer_rc=rc)
@@ -116,6 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
+        session = None
         if args.grpc_url:
             grpc_url, metrics_url = args.grpc_url, args.metrics_url
         else:
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             server = stack.enter_context(running_server(Path(args.model), work_dir))
             grpc_url, metrics_url = server.grpc_url, f"127.0.0.1:{server.metrics_port}"
-        report = run_soak(grpc_url, metrics_url, args.duration_s, args.concurrency, args.warmup_s)
+            session = server.pid
+        report = run_soak(grpc_url, metrics_url, args.duration_s, args.concurrency, args.warmup_s, session)
     print("\n".join(report.lines()))
     ok = report.errors == 0 and report.rss_growth < 0.05 and report.kv_free == report.kv_max
     print("PASS" if ok else "FAIL")

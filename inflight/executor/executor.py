@@ -39,7 +39,7 @@ class Executor:
     def __init__(self, model_path: str, model_type: ModelType = ModelType.DECODER_ONLY,
                  executor_config: ExecutorConfig | None = None):
         self.config = executor_config or ExecutorConfig()
-        self.engine = LLMEngine(model_path, self.config)
+        self.engine = LLMEngine.from_dir(model_path, self.config)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # new work or shutdown
         self._responses_ready = threading.Condition(self._lock)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 import build_repository  # noqa: E402
 import launch_triton_server  # noqa: E402
 
-from ensemble.io_contract import ENSEMBLE, TENSORRT_LLM  # noqa: E402
+from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM  # noqa: E402
 
 
 def free_ports(count: int) -> list[int]:
@@ -45,7 +46,7 @@ class Server:
     grpc_port: int
     metrics_port: int
     log_file: Path
-    pid: int = 0  # tritonserver's
+    pid: int  # tritonserver's; also the id of the session its python stubs run in
     control_secret: bytes | None = None  # signs control requests (ensemble.control)
 
     @property
@@ -229,6 +230,12 @@ def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None =
         launch_triton_server.stop(launched.process)
         shutil.rmtree(launched.work_dir, ignore_errors=True)
     # At shutdown Triton lists requests that never finished: none may be left behind.
-    leaked = re.findall(r"has ([1-9]\d*) in-flight inferences", log_file.read_text(errors="replace"))
+    log = log_file.read_text(errors="replace")
+    leaked = re.findall(r"has ([1-9]\d*) in-flight inferences", log)
     if leaked:
         raise AssertionError(f"{leaked[0]} requests were still in flight at shutdown (see {log_file})")
+    # A model still loaded at exit held the server until its exit timeout (30 s): say so.
+    stuck = [m for m in MODELS if f"successfully unloaded '{m}'" not in log]
+    if stuck:
+        warnings.warn(f"tritonserver stopped with {stuck} still loaded (it waited out its exit "
+                      f"timeout); see {log_file}")

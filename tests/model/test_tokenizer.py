@@ -1,4 +1,7 @@
-"""preprocessing.TextTokenizer: prompts, chat template, word lists, embedding bias, UTF-8 checks."""
+"""preprocessing.TextTokenizer on real tokenizers: prompts, chat template, word lists, embedding bias.
+
+(The word-list codec and UTF-8 checks alone: tests/unit/test_word_list.py.)
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocessing import InputError, TextTokenizer, decode_query, parse_word_list
+from preprocessing import InputError, TextTokenizer, parse_word_list
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +110,6 @@ def test_encode_errors(tt, sp_dir, monkeypatch):
     assert issubclass(InputError, ValueError)
 
 
-def test_decode_query():
-    assert decode_query(b"caf\xc3\xa9") == "café"
-    assert decode_query(np.array([b"hi"], dtype=object)[0]) == "hi"
-    assert decode_query(np.array([[b"hi"]], dtype=object)) == "hi"
-    assert decode_query(np.bytes_(b"x")) == "x"
-    assert decode_query("already text") == "already text"
-    assert TextTokenizer.decode_query(b"ok") == "ok"
-    with pytest.raises(InputError, match="text_input is not valid UTF-8"):
-        decode_query(b"bad \xff\xfe bytes")
-    with pytest.raises(InputError, match="text_input is not valid UTF-8"):
-        decode_query(np.array([b"\xc3"], dtype=object))
-
-
 def test_word_list_format(tt):
     rows = [["Hello", "", "world wide"], [], ["stop"]]
     arr = tt.word_list(rows)
@@ -147,20 +137,6 @@ def test_word_list_without_words(tt):
 
 def test_word_list_accepts_bytes(tt):
     assert tt.word_list([[b"Hello"]]).tolist() == tt.word_list([["Hello"]]).tolist()
-
-
-@pytest.mark.parametrize("bad, match", [
-    ([[5, 6, 7], [2, 9, -1]], "offsets past the end"),
-    ([[5, 6, 7], [2, 2, -1]], "strictly increasing"),
-    ([[5, 6, 7], [0, -1, -1]], "strictly increasing"),
-    ([[5, 6, 7], [-2, -1, -1]], "negative"),
-    ([[5, 6, 7]], r"shape \[2, N\]"),
-    ([[[5], [1]], [[5], [1]]], r"shape \[2, N\]"),
-    (np.array([[5.0], [1.0]]), "integers"),
-])
-def test_malformed_word_lists_rejected(bad, match):
-    with pytest.raises(InputError, match=match):
-        parse_word_list(np.asarray(bad))
 
 
 def test_embedding_bias(tt):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inflight.sampling import Sampler, SamplingRow
+from tests.model.numerics import elementwise_noise, frequency_bound, log_softmax_noise
 
 VOCAB = 50
 
@@ -60,7 +61,10 @@ def test_processors_match_reference():
     logits = random_logits(len(rows))
     processed = Sampler.process_logits(logits, rows)
     for i, row in enumerate(rows):
-        torch.testing.assert_close(processed[i], reference_process(logits[i], row))
+        ref = reference_process(logits[i], row)
+        # Both sides round the same <= 4 elementwise ops per logit, maybe in another order.
+        magnitude = float(torch.cat([logits[i], ref[ref.isfinite()]]).abs().max())
+        torch.testing.assert_close(processed[i], ref, atol=elementwise_noise(4, magnitude), rtol=0)
     # Spot checks of the semantics the reference encodes.
     assert processed[1, 20].item() == -math.inf  # tail [.., 8] matches bad word [8, 20]
     assert processed[1, 21].isfinite()  # [7, 21] needs the tail to end in 7
@@ -128,7 +132,8 @@ def test_sampling_follows_the_distribution():
     rows = [_random_row(None, temperature=1.0) for _ in range(num_rows)]
     tokens = torch.tensor(Sampler().sample(logits, rows).token_ids)
     freq = torch.bincount(tokens, minlength=4).float() / num_rows
-    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    for token, p in enumerate(probs.tolist()):
+        assert abs(float(freq[token]) - p) <= frequency_bound(p, num_rows), (token, freq.tolist())
 
 
 def test_top_k_one_equals_greedy():
@@ -177,7 +182,9 @@ def test_log_probs_match_log_softmax(with_penalty):
         processed = reference_process(logits[i], row)
         temperature = row.temperature if row.temperature > 0 else 1.0
         expected = torch.log_softmax(processed / temperature, dim=-1)[out.token_ids[i]]
-        assert out.log_probs[i] == pytest.approx(float(expected), abs=1e-5)
+        finite = processed[processed.isfinite()]
+        noise = log_softmax_noise(VOCAB, float(finite.abs().max()) / temperature)
+        assert out.log_probs[i] == pytest.approx(float(expected), abs=noise)
     assert out.token_ids[0] == int(reference_process(logits[0], rows[0]).argmax())
 
 

@@ -16,13 +16,11 @@ from inflight.engine import EngineFatalError
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.executor import Executor
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from tests.unit.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
+from tests.model.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
 
 PROMPTS = [[1, 17, 250, 33], [1, 5], list(range(3, 30)), [7, 300, 301, 7, 300, 9, 9]]
 NUM_NEW = 12
 
-
-pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +124,8 @@ def test_enqueue_from_several_threads(make_executor, expected):
 
 def test_await_responses_returns_within_timeout_when_idle(make_executor):
     executor = make_executor()
+    # It waits (not at once) and comes back (not for ever); the upper bound leaves room for a
+    # loaded machine's scheduling, it is not a speed target.
     for timeout in (0.2, datetime.timedelta(milliseconds=100)):
         start = time.monotonic()
         assert executor.await_responses(timeout=timeout) == []

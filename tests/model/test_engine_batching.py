@@ -1,35 +1,33 @@
-"""Batch invariance and KV accounting through the engine, on the real SmolLM2 weights.
+"""Batch invariance and KV accounting through the engine, on a tiny random Llama checkpoint.
 
 Each request's greedy tokens must be identical when it runs alone and when it shares steps with
 7 others of different prompt lengths: in plain in-flight batching, with staggered arrivals,
 under chunked context (a 16-token step budget), and under preemption/recompute with a deliberately
-small KV cache. On a mismatch the message names the first differing token and the logit margin
-of the solo run there, so a float-noise flip can be told from a real bug.
+small KV cache. Batched and solo logits differ by fp32 rounding only, so tokens may part only where
+the solo run's top-2 margin is within that noise (tests/model/numerics.py); the message names the
+first differing token and the margin there.
+
+What is checked here is the engine's scheduling (which rows share a step, chunk boundaries,
+recompute after preemption, reused blocks) over the real model code; the weights only need to
+make every token depend on every position, which random ones do, 100x cheaper than SmolLM2's.
+SmolLM2 itself is batched against HF in test_engine.py and row by row in test_model_parity.py.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
-import transformers
 
 from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
 from inflight.executor.types import FinishReason, Request, SamplingConfig
-from tests.unit.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
+from tests.model.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
                                      output_tokens, run)
+from tests.model.numerics import assert_greedy_tokens_match
 
 NUM_NEW = 16
-TEXTS = [
-    "Hi",
-    "The capital of France is",
-    "List three colours of the rainbow and explain why the sky is blue.",
-    "def add(a, b):\n    return a + b\n\ndef mul(a, b):",
-    "Water boils at",
-    "In 1969, the first humans landed on the Moon. The mission was called Apollo 11 and the "
-    "astronauts were",
-    "Translate to French: I like apples.",
-    "The following is a short story about a robot who learns to paint. Once upon a time, in a "
-    "small workshop at the edge of a quiet town, there lived a robot named",
-]
+# Prompt lengths of 8 chat-sized texts ("Hi" .. a 36-token story opening), all different.
+PROMPT_LENGTHS = [1, 5, 14, 21, 3, 27, 9, 36]
 MAX_UTILIZATION = SchedulerConfig(CapacitySchedulerPolicy.MAX_UTILIZATION)
 CONFIGS = {
     "plain": dict(),
@@ -43,21 +41,17 @@ CONFIGS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("single_threaded")
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir) -> list[list[int]]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ (1 .. 36)
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def solo(smol, prompts) -> list[tuple[list[int], RecordLogits]]:
+def solo(tiny_dir, prompts) -> list[tuple[list[int], RecordLogits]]:
     """Each prompt run alone on an otherwise idle engine: (tokens, recorded logits)."""
-    engine = make_engine(smol)
+    engine = make_engine(tiny_dir)
     out = []
     for prompt in prompts:
         recorder = RecordLogits()
@@ -84,22 +78,14 @@ def run_with_stats(engine, requests: list[Request], stagger: int = 0):
     return [responses[i] for i in ids], stats
 
 
-def mismatch_report(index: int, ref: list[int], got: list[int], recorder: RecordLogits) -> str:
-    step = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-    top2 = recorder.logits[step].topk(2)
-    margin = float(top2.values[0] - top2.values[1])
-    return (f"request {index}: first difference at generated token {step}: solo {ref[step]} vs "
-            f"batched {got[step]}; solo top-2 logit margin there {margin:.3g}")
-
-
 @pytest.mark.parametrize("name", [*CONFIGS, "staggered"])
-def test_batch_invariance(smol, prompts, solo, name):
-    engine = make_engine(smol, **CONFIGS.get(name, {}))
+def test_batch_invariance(tiny_dir, prompts, solo, name):
+    engine = make_engine(tiny_dir, **CONFIGS.get(name, {}))
     requests = [gen_request(p, NUM_NEW, end_id=-1) for p in prompts]
     results, stats = run_with_stats(engine, requests, stagger=3 if name == "staggered" else 0)
     for index, ((ref, recorder), responses) in enumerate(zip(solo, results)):
-        got = output_tokens(responses)
-        assert got == ref, mismatch_report(index, ref, got, recorder)
+        assert_greedy_tokens_match(ref, recorder.logits, output_tokens(responses), engine.model_config,
+                                   f"request {index}")
     batching = [s.inflight_batching_stats for s in stats]
     # Steps were shared (with a small cache, by fewer requests at a time).
     assert max(b.num_scheduled_requests for b in batching) >= (4 if "preempt" in name else len(prompts))
@@ -107,7 +93,7 @@ def test_batch_invariance(smol, prompts, solo, name):
         assert any(b.num_context_requests and b.num_gen_requests for b in batching)
     if "chunked" in name:
         assert max(b.num_ctx_tokens + b.num_gen_tokens for b in batching) <= 16
-        assert engine.iteration > NUM_NEW + 2  # the 180 prompt tokens took several steps
+        assert engine.iteration > NUM_NEW + 2  # the 116 prompt tokens took several steps
     if "preempt" in name:
         assert engine.scheduler.num_preemptions > 0
         assert any(b.num_paused_requests for b in batching)
@@ -115,26 +101,28 @@ def test_batch_invariance(smol, prompts, solo, name):
         assert engine.scheduler.num_preemptions == 0
 
 
-def test_seeded_sampling_invariant_under_preemption(smol, prompts):
+def test_seeded_sampling_invariant_under_preemption(tiny_dir, prompts):
     """A seeded request draws once per generated token, so recomputing it after preemption (and
-    computing its prompt in chunks) does not change what it samples."""
+    computing its prompt in chunks) does not change what it samples.
+
+    The two runs' probabilities differ by fp32 rounding (~1e-5 relative); a draw changes only if
+    it lands that close to a boundary between two tokens' shares, about once in 1e5 draws."""
     def requests():
         return [gen_request(p, NUM_NEW, end_id=-1, sampling_config=SamplingConfig(
             temperature=0.8, top_p=0.9, seed=i)) for i, p in enumerate(prompts[::2])]
 
-    engine = make_engine(smol)
-    solo = [output_tokens(run(engine, [r])[0]) for r in requests()]
+    together = [output_tokens(r) for r in run(make_engine(tiny_dir), requests())]  # one batch, no preemption
     # 8 blocks of 8 tokens: ~12 are needed at once, the longest request alone 4.
-    engine = make_engine(smol, **{**CONFIGS["preempt_chunked"],
+    engine = make_engine(tiny_dir, **{**CONFIGS["preempt_chunked"],
                                   "kv_cache_config": KvCacheConfig(max_tokens=64, tokens_per_block=8)})
-    batched = [output_tokens(r) for r in run(engine, requests())]
-    assert batched == solo and engine.scheduler.num_preemptions > 0
+    preempted = [output_tokens(r) for r in run(engine, requests())]
+    assert preempted == together and engine.scheduler.num_preemptions > 0
 
 
 # ----- KV accounting ---------------------------------------------------------------------------
 
-def test_cancel_mid_generation_frees_every_block(smol, prompts):
-    engine = make_engine(smol, max_num_tokens=16, enable_chunked_context=True, max_batch_size=4,
+def test_cancel_mid_generation_frees_every_block(tiny_dir, prompts):
+    engine = make_engine(tiny_dir, max_num_tokens=16, enable_chunked_context=True, max_batch_size=4,
                          kv_cache_config=KvCacheConfig(max_tokens=256, tokens_per_block=4))
     # The 1-token prompt, then the 36-token one: both share the first two 16-token steps.
     order = [prompts[0], prompts[-1], *prompts[1:-1]]
@@ -162,14 +150,17 @@ def test_cancel_mid_generation_frees_every_block(smol, prompts):
     assert_kv_idle(engine)
 
 
-def test_prefix_reuse_same_tokens_and_counts_reused_blocks(smol, prompts, solo):
-    engine = make_engine(smol, kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=8,
+def test_prefix_reuse_same_tokens_and_counts_reused_blocks(tiny_dir, prompts, solo):
+    engine = make_engine(tiny_dir, kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=8,
                                                              enable_block_reuse=True))
-    long_prompt, (ref, _) = prompts[-1], solo[-1]  # 36 tokens: 4 full blocks are reusable
+    long_prompt, (ref, recorder) = prompts[-1], solo[-1]  # 36 tokens: 4 full blocks are reusable
     [first] = run(engine, [gen_request(long_prompt, NUM_NEW, end_id=-1)])
     assert engine.block_manager.num_reused_blocks == 0
     [second] = run(engine, [gen_request(long_prompt, NUM_NEW, end_id=-1)])
-    assert output_tokens(first) == output_tokens(second) == ref
+    # The second computes only the prompt's tail over the reused blocks (other shapes, other
+    # rounding than the solo run's), the first all of it in 8-token blocks.
+    for name, responses in (("first", first), ("reused", second)):
+        assert_greedy_tokens_match(ref, recorder.logits, output_tokens(responses), engine.model_config, name)
     reused = engine.block_manager.num_reused_blocks
     assert reused >= len(long_prompt) // 8
     kv_stats = engine.last_stats.kv_cache_stats
@@ -177,9 +168,11 @@ def test_prefix_reuse_same_tokens_and_counts_reused_blocks(smol, prompts, solo):
     assert kv_stats.alloc_total_blocks == kv_stats.alloc_new_blocks + reused
     # A prompt sharing only the leading blocks reuses them too, and still matches its solo run.
     shared_prefix = long_prompt[:24] + prompts[2]
-    alone = make_engine(smol)
-    [expected] = run(alone, [gen_request(shared_prefix, 8, end_id=-1)])
+    expected_logits = RecordLogits()
+    [expected] = run(make_engine(tiny_dir), [gen_request(shared_prefix, 8, end_id=-1,
+                                                     logits_processor=expected_logits)])
     [got] = run(engine, [gen_request(shared_prefix, 8, end_id=-1)])
-    assert output_tokens(got) == output_tokens(expected)
+    assert_greedy_tokens_match(output_tokens(expected), expected_logits.logits, output_tokens(got),
+                               engine.model_config, "shared prefix")
     assert engine.block_manager.num_reused_blocks == reused + 3
     assert final(got).result.num_input_tokens == len(shared_prefix)

@@ -33,19 +33,6 @@ class RecordLogits(LogitsProcessor):
 
 
 @contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op torch thread inside. The test machines have 2 cores shared with other jobs;
-    with 2 OpenMP threads every parallel region waits for a thread that may not be running, which
-    made these tests 10-20x slower under load. One thread costs little when the machine is idle."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
 def shared_weights() -> Iterator[None]:
     """Engines built inside share one loaded copy of each checkpoint (weights are read-only at
     inference; every engine still gets its own KV cache, scheduler and block manager)."""
@@ -66,7 +53,7 @@ def shared_weights() -> Iterator[None]:
 def make_engine(model_dir, **config) -> LLMEngine:
     """An fp32 CPU engine; keyword arguments are ExecutorConfig fields."""
     config.setdefault("kv_cache_config", DEFAULT_KV)
-    return LLMEngine(str(model_dir), ExecutorConfig(dtype="float32", device="cpu", **config))
+    return LLMEngine.from_dir(model_dir, ExecutorConfig(dtype="float32", device="cpu", **config))
 
 
 def gen_request(prompt: list[int], max_tokens: int, return_log_probs: bool = False, **fields) -> Request:
@@ -110,10 +97,10 @@ def assert_kv_idle(engine: LLMEngine) -> None:
     assert bm.num_free_blocks == bm.num_total_blocks, (bm.num_free_blocks, bm.num_total_blocks)
 
 
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-    """HF greedy continuation (fp32); with `eos_token_id` it stops after (and includes) eos."""
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """HF greedy continuation (fp32, eos disabled) and the raw logits of each generated token."""
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]

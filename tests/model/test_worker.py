@@ -13,7 +13,7 @@ from inflight.worker import Worker
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_dir, single_threaded):
+def worker(tiny_dir):
     return Worker(str(tiny_dir), ExecutorConfig(
         dtype="float32", device="cpu", max_batch_size=4, max_num_tokens=64,
         kv_cache_config=KvCacheConfig(max_tokens=256, tokens_per_block=16)))

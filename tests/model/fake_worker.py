@@ -1,0 +1,69 @@
+"""A stand-in for `inflight.worker.Worker`: made-up logits instead of a model, real sampling.
+
+Engine logic (stop words, bad words, min_tokens, penalties, embedding bias, log probs, streaming
+deltas, seeds) depends on the logits only through the sampler, so it is tested here in
+milliseconds and exactly: a row's logits are a fixed function of its own tokens, so they do not
+depend on the batch, the step or the CPU's rounding, and a near tie can never flip a token.
+Model parity and batch invariance with real weights stay in test_engine*.py and test_model_parity.py.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from inflight.core.outputs import SchedulerOutput
+from inflight.executor.config import ExecutorConfig
+from inflight.model.config import ModelConfig
+from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+
+VOCAB = 512
+EOS = 2
+# Tokens among the last few get this much extra logit: the fake model likes to repeat itself,
+# like a real one, so repetition penalties and bad words change what it says.
+REPEAT_BONUS = 2.5
+REPEAT_WINDOW = 8
+
+
+def fake_logits(token_ids: list[int], vocab_size: int = VOCAB) -> torch.Tensor:
+    """[vocab] float32 logits, a fixed function of `token_ids` (the sequence so far)."""
+    seed = zlib.crc32(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    logits = 2.0 * torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed))
+    logits[token_ids[-REPEAT_WINDOW:]] += REPEAT_BONUS
+    return logits
+
+
+class FakeWorker:
+    """Has what `LLMEngine` uses of a `Worker`; checks each scheduled row's KV block table."""
+
+    def __init__(self, config: ExecutorConfig, max_seq_len: int = 256):
+        self.device = torch.device("cpu")
+        self.model_config = ModelConfig.from_hf_dict(
+            dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=max_seq_len, eos_token_id=EOS))
+        self.max_seq_len = min(config.max_seq_len or max_seq_len, max_seq_len)
+        self.block_size = config.kv_cache_config.tokens_per_block
+        max_tokens = config.kv_cache_config.max_tokens or config.max_batch_size * self.max_seq_len
+        self.num_blocks = -(-max_tokens // self.block_size)
+        self.sampler = Sampler()
+        self.num_steps = 0
+
+    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow], hooks=None,
+                request_ids=None) -> SamplerOutput:
+        self.num_steps += 1
+        sampled = []
+        for item in batch.scheduled:
+            table = item.seq.block_table
+            assert len(table) * self.block_size >= item.context_len, "KV blocks missing"
+            assert len(set(table)) == len(table) and all(0 <= b < self.num_blocks for b in table)
+            if item.is_sampled:
+                sampled.append(fake_logits(item.seq.token_ids[:item.context_len]))
+        if not sampled:
+            return SamplerOutput(token_ids=[], log_probs=[])
+        logits = torch.stack(sampled)  # [num_sampled, vocab]
+        for i, hook in enumerate(hooks or []):
+            if hook is not None:
+                logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])
+        return self.sampler.sample(logits, rows)

@@ -44,7 +44,7 @@ repository: model
 # Triton and the OpenAI-compatible frontend together; one Ctrl-C stops both.
 serve: repository
 	$(PY) tools/serve.py --openai_port $(OPENAI_PORT) --model_repo $(REPO) --host $(HOST) \
-		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT)
+		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT) $(SERVE_ARGS)
 
 # Triton alone.
 serve-triton: repository

@@ -18,7 +18,8 @@ Graphs are captured largest first into one shared memory pool: a smaller bucket'
 activations reuse the larger one's blocks, so the pool costs about one largest step.
 Capture needs the real KV cache (its addresses are baked into the graphs), so it runs after
 the cache is allocated; the static buffers are allocated before the KV cache is sized.
-Prefill and mixed steps stay eager.
+Prefill and mixed steps stay eager. A runner that has not captured (a CPU, in tests) runs the
+same body eagerly over the same static buffers.
 """
 
 from __future__ import annotations
@@ -126,9 +127,13 @@ class CudaGraphRunner:
 
     # ----- start-up ------------------------------------------------------------------------
 
+    def bind(self, kv_caches: list[torch.Tensor]) -> None:
+        """The KV cache the steps run against (captured graphs keep its addresses)."""
+        self.kv_caches = kv_caches
+
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
         """Warms up and captures every bucket, largest first, into one shared pool."""
-        self.kv_caches = kv_caches
+        self.bind(kv_caches)
         self.pool = torch.cuda.graph_pool_handle()
         for batch_size in reversed(self.batch_sizes):
             bucket = self.buckets[batch_size]
@@ -167,7 +172,7 @@ class CudaGraphRunner:
         layout = self.buckets[batch_size].layout
         # Pinned memory from torch's caching host allocator: it is not handed out again before
         # the copy queued from it has run, so no buffer is overwritten while in flight.
-        staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.arena.is_cuda)
         i64, seq_lens, tables = layout.split(staging.numpy())
         bs = self.block_size
         positions = [pos for _, pos, _ in rows]
@@ -199,5 +204,8 @@ class CudaGraphRunner:
             bucket.input_ids.index_copy_(0, bucket.pending_dst[:n],
                                          self.sampled_ids.index_select(0, bucket.pending_src[:n]))
         self.backend.prepare_replay(bucket.buffers, step.seq_lens)
-        bucket.graph.replay()
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            self._forward(bucket)
         return self.logits[:step.num_rows]

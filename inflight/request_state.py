@@ -9,6 +9,7 @@ reads that step's tokens; `accept_token` replaces it, `drop_placeholder` removes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -36,7 +37,7 @@ class RequestState:
     def sampling(self):
         return self.request.sampling_config
 
-    @property
+    @cached_property
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token reads its previous tokens on the host:
         Python logits processors, repetition/presence/frequency penalties (their index lists
@@ -51,6 +52,12 @@ class RequestState:
                 or any(len(word) > 1 for word in request.bad_words or []))
 
     def sampling_row(self) -> SamplingRow:
+        """The sampler's view of this request, built once: its `token_ids` is the sequence's
+        own list, so it follows every token appended (the engine asks for it every step)."""
+        return self._sampling_row
+
+    @cached_property
+    def _sampling_row(self) -> SamplingRow:
         sc, seq, end_id = self.sampling, self.seq, self.request.end_id
         greedy = sc.is_greedy
         return SamplingRow(
@@ -83,26 +90,35 @@ class RequestState:
         """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
         is never part of the output), and the stop conditions are checked. A failing user
         `stopping_criteria` raises."""
-        self.drop_placeholder()
-        request, seq = self.request, self.seq
-        if request.end_id is not None and token == request.end_id:
+        tokens = self.seq.token_ids
+        if tokens[-1] < 0:
+            tokens.pop()
+        if token == self.request.end_id:  # None never equals a token
             self.finish_reason = FinishReason.END_ID
             return
-        seq.append_token(token)
+        tokens.append(token)
         if log_prob is not None:
             self.log_probs.append(log_prob)
         self.finish_reason = self._check_stop()
 
+    @cached_property
+    def _stop_rules(self) -> tuple:
+        """(min_tokens, stop_words, stopping_criteria): fixed for the request's life."""
+        request = self.request
+        return self.sampling.min_tokens or 0, request.stop_words or [], request.stopping_criteria
+
     def _check_stop(self) -> FinishReason:
-        seq, request = self.seq, self.request
-        if seq.num_generated_tokens >= (self.sampling.min_tokens or 0):
+        seq = self.seq
+        num_generated = seq.num_generated_tokens
+        min_tokens, stop_words, criteria = self._stop_rules
+        if num_generated >= min_tokens:
             tokens = seq.token_ids
-            for word in request.stop_words or []:
+            for word in stop_words:
                 if len(word) <= len(tokens) and tokens[-len(word):] == word:
                     return FinishReason.STOP_WORDS
-            if request.stopping_criteria is not None and request.stopping_criteria(self.request_id, tokens):
+            if criteria is not None and criteria(self.request_id, tokens):
                 return FinishReason.STOP_WORDS
-        if seq.num_generated_tokens >= seq.max_new_tokens:
+        if num_generated >= seq.max_new_tokens:
             return FinishReason.LENGTH
         return FinishReason.NOT_FINISHED
 

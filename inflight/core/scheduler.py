@@ -182,6 +182,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
         """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""
+        if not self.waiting:
+            return  # the common decode step: skip the O(running) reservation sum
         num_reserved_blocks = 0
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             num_reserved_blocks = sum(self.block_manager.num_blocks_for(s.max_total_tokens)

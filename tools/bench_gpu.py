@@ -94,7 +94,8 @@ class Bench:
     def guarded(self, label: str, fn, *a, estimate_s: float = 0.0):
         """Runs one measurement; an error or a missing budget is recorded, never fatal."""
         if not self.budget.allows(estimate_s):
-            self.results["skipped"].append(f"{label} (needs ~{estimate_s:.0f} s, {self.budget.left:.0f} s left)")
+            self.results["skipped"].append(
+                f"{label} (needs ~{estimate_s:.0f} s, {self.budget.left:.0f} s left)")
             log(f"  skip {label}: ~{estimate_s:.0f} s needed, {self.budget.left:.0f} s left")
             return None
         try:

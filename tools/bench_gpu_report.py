@@ -59,15 +59,16 @@ def markdown(results: dict) -> str:
     if ab:
         keys = ["eager+sync", "eager+overlap", "graphs+sync", "graphs+overlap"]
         lines += ["", "### CUDA graphs and overlap, A/B (decode tok/s, first workload)"] + _table(
-            ["shape", "batch", *keys], [[shape, r["batch"], *(f"{r[k]:,.0f}" if k in r else "-" for k in keys)]
-                                        for shape, r in ab])
+            ["shape", "batch", *keys],
+            [[shape, r["batch"], *(f"{r[k]:,.0f}" if k in r else "-" for k in keys)] for shape, r in ab])
     prof = [(shape, p) for shape, s in results["shapes"].items() for p in s.get("profile", [])]
     if prof:
         lines += ["", "### One decode step under torch.profiler (graphs + overlap)"] + _table(
             ["shape", "batch", "CUDA kernels/step", "GPU busy ms/step", "wall ms/step", "busy %"],
             [[shape, p["batch"], f"{p['kernels_per_step']:.0f}", f"{p['gpu_busy_ms_per_step']:.2f}",
               f"{p['wall_ms_per_step']:.2f}",
-              f"{100 * p['gpu_busy_ms_per_step'] / max(p['wall_ms_per_step'], 1e-9):.0f} %"] for shape, p in prof])
+              f"{100 * p['gpu_busy_ms_per_step'] / max(p['wall_ms_per_step'], 1e-9):.0f} %"]
+             for shape, p in prof])
     hf_rows = []
     for shape, s in results["shapes"].items():
         for key, label in (("mixed", "batch of mixed lengths"), ("batch1", "batch 1")):
@@ -92,7 +93,8 @@ def markdown(results: dict) -> str:
         if "engine" in s:
             e = s["engine"]
             extra.append(f"- {shape} engine: start-up {e['startup_s']:.0f} s, {e['kv_blocks']} KV blocks, "
-                         f"attention {e['attention']}, CUDA graphs {e['cuda_graphs']}, overlap {e['overlap']}")
+                         f"attention {e['attention']}, CUDA graphs {e['cuda_graphs']}, "
+                         f"overlap {e['overlap']}")
     lines += ["", *extra, "", "### Targets (issue 9)", *targets(results)]
     if results.get("skipped"):
         lines += ["", "skipped (time budget): " + "; ".join(results["skipped"])]
@@ -108,16 +110,18 @@ def targets(results: dict) -> list[str]:
         rows = [r for r in shapes.get(shape, {}).get("sweep", []) if r["batch"] == batch]
         for r in rows:
             ok = r["pct_roofline"] >= pct
-            lines.append(f"- {'MET ' if ok else 'MISS'} {shape} {r['input_len']}/{r['output_len']} batch {batch}: "
-                         f"{r['pct_roofline']:.0f} % of roofline (target >= {pct} %)")
+            lines.append(f"- {'MET ' if ok else 'MISS'} {shape} {r['input_len']}/{r['output_len']} "
+                         f"batch {batch}: {r['pct_roofline']:.0f} % of roofline (target >= {pct} %)")
     for shape, s in shapes.items():
         v = s.get("vs_hf", {}).get("mixed")
         if v:
-            lines.append(f"- {'MET ' if v['ratio'] >= HF_MIXED_TARGET else 'MISS'} {shape} vs HF, "
-                         f"{v['requests']} mixed requests: {v['ratio']:.1f}x (target >= {HF_MIXED_TARGET:.0f}x)")
+            met = v["ratio"] >= HF_MIXED_TARGET
+            lines.append(f"- {'MET ' if met else 'MISS'} {shape} vs HF, {v['requests']} mixed requests: "
+                         f"{v['ratio']:.1f}x (target >= {HF_MIXED_TARGET:.0f}x)")
         f = s.get("full_load")
         if f:
-            lines.append(f"- {'MET ' if f['e2e_tok_s'] >= f['reference_tok_s'] else 'MISS'} {shape} full load "
+            met = f["e2e_tok_s"] >= f["reference_tok_s"]
+            lines.append(f"- {'MET ' if met else 'MISS'} {shape} full load "
                          f"{f['input_len']}/{f['output_len']}: {f['e2e_tok_s']:,.0f} tok/s "
                          f"(target >= {f['reference_tok_s']:,})")
     return lines or ["- (no measurement for a target in this plan)"]

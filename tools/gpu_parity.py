@@ -83,8 +83,8 @@ def engine_greedy(folder: Path, prompts, device: str, dtype: str, path: tuple) -
         device=device, dtype=dtype, max_batch_size=8, max_seq_len=256, attention_backend=backend,
         enable_overlap_scheduler=overlap, kv_cache_config=KvCacheConfig(max_tokens=8 * 256),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(cuda_graph_mode=graphs)))
-    ids = [engine.add_request(Request(p, NUM_TOKENS, output_config=OutputConfig(exclude_input_from_output=True)))
-           for p in prompts]
+    generated_only = OutputConfig(exclude_input_from_output=True)
+    ids = [engine.add_request(Request(p, NUM_TOKENS, output_config=generated_only)) for p in prompts]
     out = {}
     while engine.has_unfinished():
         for r in engine.step():
@@ -131,8 +131,8 @@ def check_fp32(name, hf, cfg, prompts, ref, runs, device) -> bool:
             margin, scale = margin_at(hf, p, want, d, device)
             tie = margin < bound_factor * scale and name != "tiny llama3"
             ok &= tie
-            notes.append(f"diverges at {d} (fp32 margin {margin:.2e}, noise bound {bound_factor * scale:.2e}: "
-                         f"{'near tie, accepted' if tie else 'FAIL'})")
+            notes.append(f"diverges at {d} (fp32 margin {margin:.2e}, noise bound "
+                         f"{bound_factor * scale:.2e}: {'near tie, accepted' if tie else 'FAIL'})")
         same = len(prompts) - len(notes)
         log(f"PARITY {name} fp32 {path:<22} {same}/{len(prompts)} prompts identical to HF fp32"
             + (f"; {'; '.join(notes)}" if notes else ""))

@@ -137,8 +137,10 @@ def test_greedy_streaming_with_end_ids_stop_words_and_lengths(tiny_dir):
 
 def test_seeded_sampling(tiny_dir):
     def requests():
-        configs = [SamplingConfig(temperature=0.9, seed=7), SamplingConfig(top_k=20, temperature=1.2, seed=8),
-                   SamplingConfig(top_p=0.8, temperature=0.7, seed=9), SamplingConfig(seed=10, temperature=1.0)]
+        configs = [SamplingConfig(temperature=0.9, seed=7),
+                   SamplingConfig(top_k=20, temperature=1.2, seed=8),
+                   SamplingConfig(top_p=0.8, temperature=0.7, seed=9),
+                   SamplingConfig(seed=10, temperature=1.0)]
         return [gen_request(p, 18, end_id=-1, sampling_config=c, streaming=i % 2 == 0,
                             return_log_probs=True) for i, (p, c) in enumerate(zip(PROMPTS, configs))]
 
@@ -187,7 +189,8 @@ def test_host_token_features_fall_back_to_synchronous_steps(tiny_dir):
     """Penalties, multi-token bad words and logits processors read the tokens on the host:
     while such a request is live the engine steps synchronously, so outputs still match."""
     def requests():
-        return [gen_request(PROMPTS[0], 16, end_id=-1, sampling_config=SamplingConfig(repetition_penalty=1.5)),
+        penalty = SamplingConfig(repetition_penalty=1.5)
+        return [gen_request(PROMPTS[0], 16, end_id=-1, sampling_config=penalty),
                 gen_request(PROMPTS[1], 16, end_id=-1, bad_words=[[7, 9]]),
                 gen_request(PROMPTS[2], 16, end_id=-1, logits_processor=Ban(), streaming=True),
                 gen_request(PROMPTS[3], 40, end_id=-1, stopping_criteria=StopAfterOdd(), streaming=True)]

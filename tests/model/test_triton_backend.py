@@ -143,7 +143,7 @@ def test_graph_metadata_with_padded_rows(models, split_k):
     tables_static = torch.zeros(bucket, width, dtype=torch.int32, device=DEVICE)
     for r, (_, _, table) in enumerate(rows):
         tables_static[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    slots = [a[30 // BLOCK_SIZE] * BLOCK_SIZE + 30 % BLOCK_SIZE, b[18 // BLOCK_SIZE] * BLOCK_SIZE + 18 % BLOCK_SIZE]
+    slots = [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos, _, table in rows]
     buffers = DecodeBuffers(
         slot_mapping=torch.tensor(slots + [-1, -1], device=DEVICE),
         seq_lens=torch.tensor([31, 19, 0, 0], dtype=torch.int32, device=DEVICE),

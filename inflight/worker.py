@@ -134,7 +134,7 @@ class Worker:
             logger.exception("capturing the decode CUDA graphs failed; decode steps run eagerly")
             self.graph_runner = None
             self.cuda_graph_mode = False
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # a broken context raises here: start-up fails
             torch.cuda.empty_cache()
 
     # ----- the step ----------------------------------------------------------------------------

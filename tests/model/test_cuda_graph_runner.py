@@ -83,3 +83,40 @@ def test_staged_decode_step_matches_the_eager_step(model):
     bucket = runner.buckets[4]
     assert bucket.slot_mapping[2:].tolist() == [-1, -1] and bucket.buffers.seq_lens[2:].tolist() == [0, 0]
     assert bucket.input_ids[:2].tolist() == next_tokens
+
+
+@pytest.mark.skipif(ON_CUDA, reason="a CPU engine (interpreted kernels); tools/gpu_parity.py runs it on CUDA")
+def test_engine_replays_decode_steps_through_the_runner(tmp_path_factory):
+    """The worker's graph path end to end, with overlap: decode steps are staged and replayed
+    by the runner (eager replay here), tokens still on the device come from the last sample;
+    the outputs equal the synchronous torch engine's."""
+    from tests.unit.engine_utils import gen_request, make_engine, run
+
+    path = tmp_path_factory.mktemp("llama3-engine")
+    save_tiny_checkpoint("llama3", path)
+    prompts = [[5, 9, 41, 7, 300], list(range(30, 52)), [400, 401, 3]]
+
+    def requests():
+        return [gen_request(p, 6, end_id=-1, streaming=True) for p in prompts]
+
+    expected = run(make_engine(path), requests())
+    engine = make_engine(path, enable_overlap_scheduler=True)
+    worker = engine.worker
+    model, config = load_model(path, torch.float32, "cpu", "triton")
+    model.attention_backend.reserve(AttentionLimits(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        max_num_seqs=engine.config.max_batch_size, max_seq_len=worker.max_seq_len,
+        device=torch.device("cpu")))
+    worker.model, worker.backend = model, model.attention_backend
+    runner = CudaGraphRunner(model, (1, 2, 4), worker.max_seq_len, worker.block_size,
+                             worker.sampled_ids, torch.device("cpu"))
+    runner.bind(worker.kv_caches)
+    worker.graph_runner = runner
+    replays = []
+    real_replay = runner.replay
+    runner.replay = lambda step: replays.append(step) or real_replay(step)
+    got = run(engine, requests())
+    assert [[r.result.output_token_ids for r in rs] for rs in got] == \
+        [[r.result.output_token_ids for r in rs] for rs in expected]
+    assert len(replays) >= 4 and all(s.batch_size == 4 and s.num_rows == 3 for s in replays)
+    assert any(s.num_pending == 3 for s in replays), "overlapped steps read their tokens on the device"

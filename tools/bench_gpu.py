@@ -52,7 +52,7 @@ from bench_gpu_runs import (SHAPES, build_hf, copy_bandwidth, free_memory, hf_ge
 from inflight.model.config import ModelConfig  # noqa: E402
 
 PLANS = {
-    "quick": dict(budget_s=190, shapes=["llama-3.2-1b", "llama-3.1-8b"], batches=[1, 64, 256],
+    "quick": dict(budget_s=180, shapes=["llama-3.2-1b", "llama-3.1-8b"], batches=[1, 64, 256],
                   workloads=[(128, 128)], ab_shapes=["llama-3.2-1b"], profile=[1, 64],
                   mixed=(64, (32, 512), (32, 256)), full_load=None, max_seq_len=1024),
     "full": dict(budget_s=520, shapes=["llama-3.2-1b", "llama-3.1-8b"],

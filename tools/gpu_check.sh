@@ -40,14 +40,14 @@ stage() {  # NAME LIMIT_S LOG COMMAND...
 } 2>&1 | tee "$OUT/gpu_check.log"
 
 if [[ $what == all || $what == tests ]]; then
-  stage "kernel tests (compiled)" 110 kernels.log \
+  stage "kernel tests (compiled)" 100 kernels.log \
     $PY -m pytest -q -p no:cacheprovider tests/kernels
-  stage "model tier on CUDA" 60 model.log \
+  stage "model tier on CUDA" 75 model.log \
     $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
-  stage "parity + sync audit" 150 parity.log $PY tools/gpu_parity.py
+  stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
 fi
 if [[ $what == all ]]; then
-  stage "bench --quick" 250 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
+  stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
 fi
 if [[ $what == bench-full ]]; then
   stage "bench --full" 570 bench.log $PY tools/bench_gpu.py --full --out "$OUT"

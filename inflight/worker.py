@@ -165,7 +165,7 @@ class Worker:
         if num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
         if self._fits_graph(batch):
-            graph_step = self.graph_runner.stage(*_decode_rows(batch.scheduled))
+            graph_step = self.graph_runner.stage_decode(batch.scheduled)
             return StepInput(None, None, graph_step, rows, hooks, request_ids)
         input_ids: list[int] = []
         sampled_rows: list[int] = []
@@ -299,16 +299,3 @@ class Worker:
         finally:
             self.kv_caches, self.graph_runner = real_caches, runner
 
-
-def _decode_rows(scheduled: list[ScheduledSequence]):
-    """(rows, pending) for `CudaGraphRunner.stage`: (token_id, position, block_table) per row,
-    and the rows whose token is still on the device with the sampled index it has there."""
-    rows, pending_rows, pending_src = [], [], []
-    for r, item in enumerate(scheduled):
-        token = item.seq.token_ids[item.start_position]
-        if token < 0:
-            pending_rows.append(r)
-            pending_src.append(-1 - token)
-            token = 0
-        rows.append((token, item.start_position, item.seq.block_table))
-    return rows, (pending_rows, pending_src)

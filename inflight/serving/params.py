@@ -16,6 +16,23 @@ def get_str(params: dict[str, str], key: str, default: str) -> str:
     return params.get(key, default)
 
 
+def get_auto_bool(params: dict[str, str], key: str, default: bool | None) -> bool | None:
+    """true / false, or auto (None: the engine decides per device)."""
+    if params.get(key, "").strip().lower() == "auto":
+        return None
+    try:
+        return get_bool(params, key, default)
+    except ConfigError:
+        raise ConfigError(f"parameter {key} must be auto, true or false, got '{params[key]}'") from None
+
+
+def _render(value) -> str:
+    """A default as `config.pbtxt` text: booleans lower-case as NVIDIA writes them, None as auto."""
+    if value is None:
+        return "auto"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 @dataclass(frozen=True)
 class Knob:
     """One engine parameter declared once: its pbtxt key, the config field it sets and how its
@@ -33,10 +50,11 @@ class Knob:
 
 
 # The GPU fast-path knobs. NVIDIA's keys where TensorRT-LLM has one (ExtendedRuntimePerfKnobConfig);
-# attention_backend is ours.
+# attention_backend and enable_overlap_scheduler are ours.
 KNOBS = (
     Knob("attention_backend", ExecutorConfig, "attention_backend", get_str),
-    Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_bool),
+    Knob("enable_overlap_scheduler", ExecutorConfig, "enable_overlap_scheduler", get_auto_bool),
+    Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_auto_bool),
     Knob("cuda_graph_cache_size", ExtendedRuntimePerfKnobConfig, "cuda_graph_cache_size", get_int),
     Knob("multi_block_mode", ExtendedRuntimePerfKnobConfig, "multi_block_mode", get_bool),
     Knob("enable_context_fmha_fp32_acc", ExtendedRuntimePerfKnobConfig,
@@ -50,8 +68,7 @@ def _knob_fields(owner: type, params: dict[str, str]) -> dict:
 
 def template_defaults() -> dict[str, str]:
     """Each knob's default as `config.pbtxt` text (booleans lower-case, as NVIDIA writes them)."""
-    return {k.key: str(k.default).lower() if isinstance(k.default, bool) else str(k.default)
-            for k in KNOBS}
+    return {k.key: _render(k.default) for k in KNOBS}
 
 
 def executor_config(params: dict[str, str], max_queue_size: int | None = None) -> ExecutorConfig:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig

@@ -27,7 +27,7 @@ from ensemble.errors import InputError
 from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
 from inflight.serving import convert, drain, faults, metrics
-from inflight.serving.backend import create_executor
+from inflight.serving.backend import create_executor, engine_features
 from inflight.serving.params import executor_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -64,9 +64,10 @@ class TritonPythonModel:
         config = executor_config(values, params.queue_size(model_config))
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
+        backend = values.get("executor_backend", "builtin")
+        self.features = engine_features(backend, config)
         try:
-            self.executor = create_executor(values.get("executor_backend", "builtin"),
-                                            values["gpt_model_path"], config)
+            self.executor = create_executor(backend, values["gpt_model_path"], config)
         except RuntimeError as exc:  # one clear sentence, not a traceback
             raise pb_utils.TritonModelException(str(exc)) from None
         faults.install_test_hook(self.executor, os.environ.get(faults.ENV_VAR))
@@ -104,7 +105,7 @@ class TritonPythonModel:
                                      pb_utils.TritonError.UNAVAILABLE)
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
-                                                     self.limits)
+                                                     self.limits, self.features)
                 with self.lock:
                     pending = Pending(sender, request.request_id(), control.new_request_key(self.by_key),
                                       num_open_rows=len(rows))

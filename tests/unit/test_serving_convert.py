@@ -8,7 +8,8 @@ import pytest
 from ensemble import params as pbtxt
 from ensemble.io_contract import CANCEL_KEY_PREFIX
 from inflight.executor.config import CapacitySchedulerPolicy, ConfigError
-from inflight.executor.types import FinishReason, RequestError, Response, Result
+from inflight.executor.features import EngineFeatures
+from inflight.executor.types import FinishReason, RequestError, RequestPerfMetrics, Response, Result
 from inflight.serving import convert, params
 
 
@@ -171,3 +172,45 @@ def test_tensorrtllm_backend_without_the_package_fails_with_one_clear_sentence()
                                "to 'builtin'")
     with pytest.raises(BackendUnavailable, match="unknown executor_backend 'vllm'"):
         create_executor("vllm", "unused", params.executor_config({}))
+
+
+def test_responses_have_nvidia_shapes_beams_padded_with_minus_one():
+    options = convert.RequestOptions(return_log_probs=True, exclude_input=True, num_return_sequences=2)
+    row = convert.RowState(batch_index=0, options=options)
+    result = Result(is_final=True, output_token_ids=[[5, 6, 7], [8]], cum_log_probs=[-1.0, -2.0],
+                    log_probs=[[-0.1, -0.2, -0.7], [-2.0]], sequence_index=1,
+                    context_logits=np.zeros((3, 11), np.float32),
+                    generation_logits=np.zeros((2, 3, 11), np.float32),
+                    request_perf_metrics=RequestPerfMetrics(arrival_time_ns=10, kv_cache_reused_blocks=2))
+    out = convert.response_tensors(Response(1, result), row)
+    assert out["output_ids"].tolist() == [[[5, 6, 7], [8, -1, -1]]]
+    assert out["sequence_length"].tolist() == [[3, 1]]
+    assert out["cum_log_probs"].shape == (1, 2) and out["output_log_probs"].shape == (1, 2, 3)
+    assert out["context_logits"].shape == (1, 3, 11) and out["generation_logits"].shape == (1, 2, 3, 11)
+    assert out["sequence_index"].tolist() == [[1]] and "batch_index" not in out
+    assert out["arrival_time_ns"].dtype == np.int64 and out["kv_cache_reused_blocks"].tolist() == [[2]]
+    assert out["acceptance_rate"].dtype == np.float32
+
+
+def test_a_feature_the_engine_has_is_let_through():
+    inputs = _inputs(return_perf_metrics=np.array([True]), beam_width=np.array([1], dtype=np.int32),
+                     num_return_sequences=np.array([0], dtype=np.int32),
+                     runtime_top_p=np.array([0.0], dtype=np.float32))
+    with_metrics = EngineFeatures(perf_metrics=True)
+    [request], options = convert.request_rows(inputs, decoupled=True, default_exclude_input=False,
+                                              features=with_metrics)
+    assert request.output_config.return_perf_metrics
+    # NVIDIA's meanings: top_p <= 0 is "not set", num_return_sequences 0 is 1.
+    assert request.sampling_config.top_p is None and options.num_return_sequences == 1
+    assert request.sampling_config.is_greedy
+
+
+def test_decoder_ids_retention_hints_and_prompt_table_ids_alone_are_accepted():
+    inputs = _inputs(decoder_input_ids=np.array([[2]], dtype=np.int32),
+                     decoder_input_lengths=np.array([[1]], dtype=np.int32),
+                     prompt_table_extra_ids=np.array([[7, 7, 7]], dtype=np.uint64),
+                     retention_token_range_starts=np.array([[0]], dtype=np.int32),
+                     retention_token_range_ends=np.array([[-1]], dtype=np.int32),
+                     retention_token_range_priorities=np.array([[80]], dtype=np.int32))
+    [request], _ = convert.request_rows(inputs, decoupled=True, default_exclude_input=False)
+    assert request.input_token_ids == [5, 6, 7]

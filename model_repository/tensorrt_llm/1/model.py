@@ -28,7 +28,7 @@ from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
 from inflight.serving import convert, drain, faults, metrics
 from inflight.serving.backend import create_executor, engine_features
-from inflight.serving.params import executor_config
+from inflight.serving.params import executor_config, ignored_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -62,6 +62,8 @@ class TritonPythonModel:
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
         config = executor_config(values, params.queue_size(model_config))
+        if ignored_parameters(values):
+            pb_utils.Logger.log_warn(f"parameters with no effect on this engine: {ignored_parameters(values)}")
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
         backend = values.get("executor_backend", "builtin")

@@ -11,6 +11,8 @@ refused later, by `inflight.executor.features`. Errors name the input the client
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ensemble.io_contract import TEXT_INPUT_ROUTES
@@ -101,6 +103,11 @@ def sampling_config(inputs, index: int) -> SamplingConfig:
         return scalar(inputs, _FIELD_INPUTS.get(field, field), index, cast)
 
     top_p = get("top_p", float)
+    decay = get("top_p_decay", float)
+    if decay is not None and decay != 1.0 and math.isfinite(decay) and 0 < decay < 1:
+        # A real change of the sampling, which our sampler does not make: refused, not ignored.
+        raise RequestError(f"runtime_top_p_decay {decay} is not supported by this engine (only 1.0, "
+                           "no decay)")
     min_tokens = get("min_tokens", int)
     early_stopping = get("early_stopping", bool)
     try:
@@ -109,7 +116,7 @@ def sampling_config(inputs, index: int) -> SamplingConfig:
             num_return_sequences=get("num_return_sequences", int) or None,
             top_k=get("top_k", int),
             top_p=None if top_p is not None and top_p <= 0 else top_p,
-            top_p_min=get("top_p_min", float), top_p_decay=get("top_p_decay", float),
+            top_p_min=get("top_p_min", float), top_p_decay=decay,
             top_p_reset_ids=get("top_p_reset_ids", int),
             temperature=get("temperature", float),
             repetition_penalty=get("repetition_penalty", float),

@@ -157,6 +157,11 @@ def test_a_refusal_is_one_final_error_naming_the_input(server, model, stream, ex
     assert not results
 
 
+def test_a_missing_required_input_is_one_final_error_over_grpc(server):
+    results, errors, _ = stream_once(server, {"max_tokens": np.array([[4]], np.int32)})
+    assert len(errors) == 1 and "missing required input(s) ['text_input']" in errors[0] and not results
+
+
 def test_http_generate_takes_nvidia_curl_body_and_refusals_end_the_stream(server):
     [reply] = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "bad_words": "", "stop_words": ""})
     assert reply["text_output"].startswith(PROMPT)

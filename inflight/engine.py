@@ -40,6 +40,7 @@ from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.beam_state import BeamRequestState
 from inflight.request_state import RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
@@ -115,13 +116,15 @@ class LLMEngine:
         if max_queue is not None and num_queued >= max_queue:
             raise QueueFullError(f"Maximum queue size of {max_queue} has been reached, "
                                  "please try again later")
+        beam_width = request.sampling_config.beam_width
         seq = Sequence(request_id=request_id, prompt_token_ids=list(request.input_token_ids),
-                       max_new_tokens=request.max_tokens)
+                       max_new_tokens=request.max_tokens, beam_width=beam_width)
         reason = self.scheduler.check_fits(seq)
         if reason:
             raise RequestError(reason)
-        return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request))
+        state_class = BeamRequestState if beam_width > 1 else RequestState
+        return state_class(request_id, request, seq, self._make_generator(request),
+                           self._embedding_bias(request))
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -136,6 +139,11 @@ class LLMEngine:
         if num_prompt >= self.worker.max_seq_len:
             raise RequestError(f"prompt of {num_prompt} tokens exceeds the model's maximum sequence "
                                f"length of {self.worker.max_seq_len} tokens")
+        beam_width = request.sampling_config.beam_width
+        if beam_width > self.config.max_beam_width:
+            raise RequestError(f"beam_width {beam_width} exceeds max_beam_width ({self.config.max_beam_width})")
+        if 2 * beam_width > vocab:
+            raise RequestError(f"beam_width {beam_width} needs 2 * beam_width <= the vocabulary ({vocab})")
         if num_prompt + request.max_tokens > self.worker.max_seq_len:
             raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) "
                                f"exceeds the maximum sequence length of {self.worker.max_seq_len}; "
@@ -189,11 +197,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        states = [self.requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        sampled = [s.seq for s in batch.scheduled if s.is_sampled]
+        states = [self.requests[seq.request_id] for seq in sampled]
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
+            args = ([st.sampling_row(seq) for st, seq in zip(states, sampled)],
+                    [st.request.logits_processor for st in states],
                     [st.request_id for st in states])
             sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
         except EngineFatalError:
@@ -232,6 +242,10 @@ class LLMEngine:
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
             if self.requests.get(state.request_id) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
+            if state.is_beam:  # one update per beam group, from its candidates
+                if state.request_id in output.beams:
+                    responses += self._advance_beams(state, output.beams.pop(state.request_id))
+                continue
             try:
                 state.accept_token(token, log_prob)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
@@ -242,6 +256,14 @@ class LLMEngine:
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
         return responses
+
+    def _advance_beams(self, state: BeamRequestState, candidates) -> list[Response]:
+        copies = state.advance(candidates, self.block_manager)
+        if copies:  # queued before the next step, which writes the copied blocks
+            self.worker.copy_blocks(copies)
+        if state.finish_reason is not FinishReason.NOT_FINISHED:
+            return [self._finish(state)]
+        return [state.response(is_final=False)] if state.request.streaming else []
 
     def _finish(self, state: RequestState) -> Response:
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent

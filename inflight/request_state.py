@@ -33,6 +33,8 @@ class RequestState:
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
 
+    is_beam = False  # see inflight.beam_state.BeamRequestState
+
     @property
     def sampling(self):
         return self.request.sampling_config
@@ -51,9 +53,10 @@ class RequestState:
                 or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
                 or any(len(word) > 1 for word in request.bad_words or []))
 
-    def sampling_row(self) -> SamplingRow:
+    def sampling_row(self, seq: Sequence | None = None) -> SamplingRow:
         """The sampler's view of this request, built once: its `token_ids` is the sequence's
-        own list, so it follows every token appended (the engine asks for it every step)."""
+        own list, so it follows every token appended (the engine asks for it every step).
+        `seq` (the scheduled row's sequence) only matters to beam search requests."""
         return self._sampling_row
 
     @cached_property

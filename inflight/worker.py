@@ -231,6 +231,15 @@ class Worker:
             self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
         return sample.start_copy()
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies KV blocks (source, destination) in every layer, queued on the device (beam
+        search's copy-on-write); the next step is queued after it."""
+        source = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(self.device)
+        destination = torch.tensor([d for _, d in copies], dtype=torch.int64).to(self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            cache.index_copy_(1, destination, cache.index_select(1, source))
+
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inflight.platform import to_device
+from inflight.sampling.beam_search import BeamRow, Candidates, beam_candidates
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -49,6 +50,7 @@ class SamplingRow:
     embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits first
     generator: torch.Generator | None = None  # per-request RNG on the logits' device
     return_log_probs: bool = False
+    beam: BeamRow | None = None  # set on the rows of a beam search request (its token is unused)
 
     @property
     def is_greedy(self) -> bool:
@@ -87,6 +89,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     log_probs: list[float | None]  # None for rows that did not ask for log probs
+    beams: dict[int, Candidates] = field(default_factory=dict)  # beam request id -> candidates
 
 
 @dataclass
@@ -98,6 +101,8 @@ class DeviceSample:
     wants_log_probs: list[bool]  # per row
     _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
     _ready: object = None  # torch.cuda.Event recorded after the copy
+    beam_groups: list[tuple[int, int]] = field(default_factory=list)  # (request id, K) per group
+    beam_values: torch.Tensor | None = None  # [4, sum of K] float64 (beam_search.beam_candidates)
 
     def start_copy(self) -> "DeviceSample":
         """Queues the device -> host copy without waiting (CUDA); a no-op on the CPU."""
@@ -108,6 +113,8 @@ class DeviceSample:
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
         self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
+        if self.beam_values is not None:
+            self.beam_values = self.beam_values.to("cpu", non_blocking=True)
         self._ready = torch.cuda.Event()
         self._ready.record()
         return self
@@ -122,11 +129,25 @@ class DeviceSample:
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
         else:
             values = self.token_ids
+        beams = self._beams()
         if self.log_probs is None:
-            return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs))
+            return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs), beams)
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
-                             [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)])
+                             [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
+                             beams)
+
+    def _beams(self) -> dict[int, Candidates]:
+        if self.beam_values is None:
+            return {}
+        out, start = {}, 0
+        tokens, parents, cum, lps = self.beam_values.tolist()
+        for group, k in self.beam_groups:
+            end = start + k
+            out[group] = Candidates([int(t) for t in tokens[start:end]], [int(p) for p in parents[start:end]],
+                                    cum[start:end], lps[start:end])
+            start = end
+        return out
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -157,6 +178,8 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         wants = [r.return_log_probs for r in rows]
         want_log_probs = any(wants)
+        if any(r.beam is not None for r in rows):
+            return self._with_beams(logits, rows)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
             return DeviceSample(logits.argmax(dim=-1), None, wants)
 
@@ -174,6 +197,18 @@ class Sampler:
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
         chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
         return DeviceSample(tokens, chosen, wants)
+
+    def _with_beams(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """A step with beam rows: the other rows sample as usual (beam rows get an unused
+        greedy token), the beam rows' candidates ride along in the same host copy."""
+        beam_index = [i for i, r in enumerate(rows) if r.beam is not None]
+        beam_rows = [rows[i] for i in beam_index]
+        index = _to_device(beam_index, torch.int64, logits.device)
+        processed = self.process_logits(logits.index_select(0, index), beam_rows)
+        groups, values = beam_candidates(processed, [r.beam for r in beam_rows])
+        sample = self.sample_on_device(logits, [_plain(r) for r in rows])
+        sample.beam_groups, sample.beam_values = groups, values
+        return sample
 
     @staticmethod
     def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -256,3 +291,10 @@ class Sampler:
             else:
                 noise[i].exponential_()
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain(row: SamplingRow) -> SamplingRow:
+    """A beam row as a plain greedy row (its sampled token is not used)."""
+    if row.beam is None:
+        return row
+    return SamplingRow(row.token_ids, row.num_prompt_tokens, return_log_probs=row.return_log_probs)

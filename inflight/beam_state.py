@@ -22,7 +22,7 @@ from inflight.core.block_manager import BlockManager
 from inflight.core.sequence import Sequence, SequenceStatus
 from inflight.executor.types import FinishReason, Response, Result
 from inflight.request_state import RequestState
-from inflight.sampling.beam_search import BeamRow, BeamSearch, Candidates, Hypothesis
+from inflight.core.beam_search import BeamRow, BeamSearch, Candidates, Hypothesis
 from inflight.sampling.sampler import SamplingRow
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inflight.platform import to_device
-from inflight.sampling.beam_search import BeamRow, Candidates, beam_candidates
+from inflight.core.beam_search import BeamRow, Candidates
+from inflight.sampling.beam_search import beam_candidates
 
 _GREEDY_TEMPERATURE = 1e-5
 

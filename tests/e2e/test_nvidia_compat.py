@@ -132,7 +132,7 @@ def test_batch_inputs_answer_each_row_with_its_batch_index(server):
 
 
 REFUSALS = [
-    ({"beam_width": np.array([[2]], np.int32)}, "beam_width 2 is not supported yet by this engine (max_beam_width is 1)"),
+    ({"beam_width": np.array([[8]], np.int32)}, "beam_width 8 exceeds max_beam_width (4)"),
     ({"num_return_sequences": np.array([[2]], np.int32)}, "num_return_sequences 2 is not supported yet"),
     ({"return_context_logits": np.array([[True]])}, "return_context_logits is not supported yet"),
     ({"return_generation_logits": np.array([[True]])}, "return_generation_logits is not supported yet"),
@@ -165,9 +165,9 @@ def test_a_missing_required_input_is_one_final_error_over_grpc(server):
 def test_http_generate_takes_nvidia_curl_body_and_refusals_end_the_stream(server):
     [reply] = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "bad_words": "", "stop_words": ""})
     assert reply["text_output"].startswith(PROMPT)
-    events = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "stream": True, "beam_width": 2},
+    events = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "stream": True, "beam_width": 8},
                                   stream=True)
-    assert len(events) == 1 and "beam_width 2 is not supported yet" in events[0]["error"]
+    assert len(events) == 1 and "beam_width 8 exceeds max_beam_width (4)" in events[0]["error"]
 
 
 # ----- tensorrt_llm directly, as inflight_batcher_llm_client.py and the benchmarks do ------------
@@ -261,8 +261,8 @@ def test_the_plain_set_up_refuses_streaming_with_one_final_error(plain_server):
     for model in ("ensemble", "tensorrt_llm_bls"):
         _, errors, _ = stream_once(plain_server, text_inputs(stream=np.array([[True]])), model)
         assert len(errors) == 1 and "decoupled" in errors[0], errors
-    _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[2]], np.int32)))
-    assert len(errors) == 1 and "beam_width 2 is not supported yet" in errors[0]
+    _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[8]], np.int32)))
+    assert len(errors) == 1 and "beam_width 8 exceeds max_beam_width (4)" in errors[0]
 
 
 def test_http_infer_refusal_names_the_input(plain_server):

@@ -88,9 +88,10 @@ class Scheduler:
                     f"enable chunked context")
         num_total_blocks = self.block_manager.num_total_blocks
         if seq.beam_width > 1:
-            if seq.beam_width > self.max_batch_size:
-                return (f"beam_width {seq.beam_width} needs as many batch rows, more than "
-                        f"max_batch_size {self.max_batch_size}")
+            if seq.beam_width > min(self.max_batch_size, self.max_num_tokens):
+                return (f"beam_width {seq.beam_width} needs as many batch rows and tokens per step, "
+                        f"more than max_batch_size {self.max_batch_size} or max_num_tokens "
+                        f"{self.max_num_tokens}")
             num_blocks = self._reserved_blocks(seq)
             if num_blocks > num_total_blocks:
                 return (f"request needs {num_blocks} KV blocks (prompt {num_prompt_tokens} + "

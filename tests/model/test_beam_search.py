@@ -138,6 +138,27 @@ def test_cancelling_a_beam_request_frees_every_beam_block():
     assert_kv_idle(engine)
 
 
+def test_a_failed_step_fails_the_beam_request_once_and_frees_its_beams():
+    engine = fake_engine()
+    beam_id = engine.add_request(beam_request(PROMPTS[0], max_tokens=12, width=3))
+    other_id = engine.add_request(gen_request(PROMPTS[1], 12, end_id=-1))
+    for _ in range(3):
+        engine.step()
+
+    def fail_beams(batch):
+        if any(item.seq.request_id == beam_id for item in batch.scheduled):
+            engine.fault_hook = None
+            raise RuntimeError("injected")
+
+    engine.fault_hook = fail_beams
+    responses = engine.step()  # the step's rows (the beams and their neighbour) fail, once each
+    errors = [r.request_id for r in responses if r.has_error()]
+    assert sorted(errors) == sorted([beam_id, other_id])
+    assert_kv_idle(engine)
+    [after] = run(engine, [beam_request(PROMPTS[0], max_tokens=12, width=3)])  # and it carries on
+    assert len(final(after).result.output_token_ids) == 3
+
+
 def test_max_utilization_preempts_plain_requests_for_beams_and_outputs_hold():
     roomy = fake_engine()
     requests = lambda: [gen_request(PROMPTS[1], 20, end_id=-1), beam_request(PROMPTS[0], max_tokens=16, width=4),

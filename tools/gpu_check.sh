@@ -44,6 +44,8 @@ if [[ $what == all || $what == tests ]]; then
     $PY -m pytest -q -p no:cacheprovider tests/kernels
   stage "model tier on CUDA" 75 model.log \
     $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
+  stage "beam search on CUDA" 90 beam.log \
+    $PY -m pytest -q -p no:cacheprovider tests/gpu/test_beam_cuda.py
   stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
 fi
 if [[ $what == all ]]; then
@@ -58,7 +60,7 @@ fi
   echo "==================== SUMMARY ===================="
   head -n 3 "$OUT/gpu_check.log"
   for line in "${SUMMARY[@]}"; do echo "$line"; done
-  for log in kernels.log model.log; do
+  for log in kernels.log model.log beam.log; do
     [[ -f $OUT/$log ]] && echo "$log: $(grep -E '(passed|failed|error)' "$OUT/$log" | tail -n 1)"
   done
   if [[ -f $OUT/parity.log ]]; then

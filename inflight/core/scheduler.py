@@ -178,7 +178,8 @@ class Scheduler:
                 index += 1
                 continue
             preempted_self = False
-            while not self._can_grow(seq, num_new):
+            while not (self._beams_fit(seq) if seq.beam_siblings else
+                       self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new)):
                 if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
                     raise RuntimeError(
                         f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
@@ -208,9 +209,8 @@ class Scheduler:
             index += 1
         return num_budget_tokens
 
-    def _can_grow(self, seq: Sequence, num_new: int) -> bool:
-        if not seq.beam_siblings:
-            return self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new)
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """Whether every beam of `seq`'s group can take its next token."""
         bm = self.block_manager
         missing = sum(bm.num_missing_blocks(b, b.num_computed_tokens + 1) for b in seq.group)
         return missing <= bm.num_free_blocks

@@ -7,6 +7,10 @@ beams, then every beam's sequence takes its parent's tokens and block table (the
 manager's fork with ref counts, copy-on-write of a shared partial block), so the prompt is
 computed once and shared by all beams.
 
+Overlapped steps: a beam group's next rows depend on the host's re-ranking of its last step,
+so it sits out the step launched before that step's candidates are read (other requests go on
+overlapping); synchronous engines schedule it every step.
+
 Responses follow TensorRT-LLM: one row per beam in each response. Streaming sends, every step,
 all the tokens each live beam has generated so far (its `returnAllGeneratedTokens`, forced on
 for beam search: beams are re-ranked, so deltas would not add up); the final response has the
@@ -32,8 +36,6 @@ class BeamRequestState(RequestState):
 
     search: BeamSearch | None = field(default=None)
     is_beam = True
-    # Beams read their (re-arranged) tokens on the host every step: such requests step synchronously.
-    needs_host_tokens = True
 
     def __post_init__(self) -> None:
         sc, request = self.sampling, self.request
@@ -62,7 +64,9 @@ class BeamRequestState(RequestState):
         )
 
     def add_placeholder(self, sampled_row: int) -> None:
-        pass  # beams never overlap steps: their tokens arrive through `advance`
+        # No placeholder: the beams have no uncomputed token until `advance` re-ranks them, so
+        # an overlapped engine does not schedule them in the step launched meanwhile.
+        pass
 
     def drop_placeholder(self) -> None:
         pass

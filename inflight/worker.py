@@ -36,7 +36,7 @@ from inflight.model.attention import (AttentionLimits, StepMetadata, attention_b
                                       resolve_attention_backend)
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
-                               resolve_dtype, uses_cuda_graphs)
+                               resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -235,8 +235,8 @@ class Worker:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies KV blocks (source, destination) in every layer, queued on the device (beam
         search's copy-on-write); the next step is queued after it."""
-        source = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(self.device)
-        destination = torch.tensor([d for _, d in copies], dtype=torch.int64).to(self.device)
+        source = to_device(torch.tensor([s for s, _ in copies], dtype=torch.int64), self.device)
+        destination = to_device(torch.tensor([d for _, d in copies], dtype=torch.int64), self.device)
         for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
             cache.index_copy_(1, destination, cache.index_select(1, source))
 

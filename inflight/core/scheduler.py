@@ -170,8 +170,9 @@ class Scheduler:
                 # token arrives and never computes more. (Never seen by synchronous engines.)
                 index += 1
                 continue
-            if seq.beam_siblings:
-                num_new = len(seq.beam_siblings) + 1 if len(seq.beam_siblings) < num_budget_tokens else 0
+            if seq.beam_siblings:  # one token per beam; none while a re-ranking is pending
+                num_new = (len(seq.beam_siblings) + 1 if len(seq.beam_siblings) < num_budget_tokens
+                           and seq.num_uncomputed_tokens else 0)
             else:
                 num_new = self._num_new_tokens(seq, num_budget_tokens)
             if num_new == 0:

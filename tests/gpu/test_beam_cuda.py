@@ -1,9 +1,9 @@
 """Beam search on CUDA (fp32, the default fast path: Triton attention, CUDA graphs, overlap on)
-gives HF's beams (tiny random Llama), next to greedy requests that keep the CPU's tokens, and the
-engine overlaps its steps again once the beam request is gone.
+gives HF's beams (tiny random Llama), next to greedy requests that keep the CPU's tokens.
 
-Beam rows step synchronously (their re-ranked blocks are known on the host only after the step);
-decode steps of beam rows may still replay a CUDA graph. Beam order can only differ from HF's
+With overlap a beam group sits out the step launched before its re-ranking is read (its next
+rows and blocks are known on the host only then); its decode steps may replay a CUDA graph, and
+its block copies are queued without a host sync. Beam order can only differ from HF's
 where two hypotheses' scores are within fp32 noise; the tiny model's logits are well separated.
 """
 
@@ -42,4 +42,4 @@ def test_cuda_beams_match_hf_next_to_greedy_requests(tmp_path, case):
     for index, responses_of in ((1, responses[0]), (0, responses[2])):  # beams leave their neighbours alone
         assert_greedy_tokens_match(greedy_cpu[index], recorders[index].logits, output_tokens(responses_of),
                                    cpu.model_config, f"greedy prompt {index}")
-    assert cuda._overlaps() == cuda.worker.overlap  # no beam request left: overlapped steps again
+    assert cuda._overlaps() == cuda.worker.overlap  # beams do not switch overlap off

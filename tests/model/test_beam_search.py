@@ -24,6 +24,7 @@ from inflight.sampling.beam_search import beam_candidates
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, make_engine, run
 from tests.model.fake_worker import EOS, FakeWorker
+from tests.model.tolerances import fp32_noise_bound
 
 PROMPTS = [[1, 17, 250, 33, 499, 8], [7, 300, 301, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
 # (beam_width, max_tokens, length_penalty, HF early_stopping, end id = greedy token at this index)
@@ -36,7 +37,7 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("beam_llama3")
     hf = save_tiny_checkpoint("llama3", path)
     # 16-token blocks: neither prompt fills its last block, so every fork copies one.
-    return hf, make_engine(path, max_beam_width=4)
+    return hf, make_engine(path, max_beam_width=4), path
 
 
 def hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping, eos):
@@ -53,7 +54,7 @@ def hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping, eos)
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
 @pytest.mark.parametrize("case", HF_CASES, ids=[f"w{c[0]}-lp{c[2]}-es{c[3]}" for c in HF_CASES])
 def test_beams_match_hf_generate(tiny, prompt, case):
-    hf, engine = tiny
+    hf, engine, _ = tiny
     width, max_tokens, length_penalty, early_stopping, eos_index = case
     [greedy] = run(engine, [gen_request(prompt, 6, end_id=-1)])
     eos = final(greedy).result.output_token_ids[0][eos_index]
@@ -73,7 +74,7 @@ def test_beams_match_hf_generate(tiny, prompt, case):
 
 
 def test_non_streamed_output_starts_with_the_prompt_and_returns_num_return_sequences(tiny):
-    _, engine = tiny
+    _, engine, _ = tiny
     prompt = PROMPTS[0]
     request = Request(prompt, 6, end_id=-1, sampling_config=SamplingConfig(beam_width=4))
     [four] = run(engine, [request])
@@ -178,3 +179,24 @@ def test_diversity_rate_ranks_candidates_by_beam_index_as_tensorrt_llm():
     # score + 0.5 * beam index: beam 1's two tokens (log 0.4 + 0.5) beat beam 0's best (log 0.5).
     assert (group, k) == (1, 2) and parents == [1.0, 1.0] and sorted(tokens) == [0.0, 1.0]
     assert cum == pytest.approx([math.log(0.4)] * 2)  # the reported score has no diversity term
+
+
+def test_overlapped_steps_give_the_synchronous_beams_and_neighbours(tiny):
+    """Beam groups sit out the step launched before their re-ranking; the rest overlaps."""
+    _, sync, path = tiny
+    requests = lambda: [gen_request(PROMPTS[1], 12, end_id=-1, streaming=True),
+                        beam_request(PROMPTS[0], max_tokens=8, width=3, streaming=True, length_penalty=1.0),
+                        beam_request(PROMPTS[1], max_tokens=6, width=2)]
+    expected = run(sync, requests())
+    overlapped = make_engine(path, max_beam_width=4, enable_overlap_scheduler=True)
+    assert overlapped.worker.overlap
+    got = run(overlapped, requests())
+    assert [[x.result.output_token_ids for x in r] for r in got] == \
+        [[x.result.output_token_ids for x in r] for r in expected]  # every streamed chunk too
+    for mine, theirs in zip(got[1:], expected[1:]):
+        (_, cum, reasons), (tokens, cum_sync, reasons_sync) = outcome(mine), outcome(theirs)
+        assert reasons == reasons_sync
+        # Rows share steps differently, and fp32 GEMM results depend on the batch's row count:
+        # each token's log prob may move by the model's fp32 noise.
+        for c, c_sync, t in zip(cum, cum_sync, tokens):
+            assert math.isclose(c, c_sync, abs_tol=len(t) * fp32_noise_bound(3, 64, max(1.0, abs(c_sync))))

@@ -55,3 +55,19 @@ def test_tensorrt_llm_answers_beams_in_nvidia_shapes(server):
     assert np.all(output_ids[0, :, :ids.shape[1]] == ids) and output_ids[0, 0].tolist() != output_ids[0, 1].tolist()
     [reply] = server.http_generate({"text_input": PROMPT, "max_tokens": 6, "beam_width": BEAMS})
     assert len(reply["text_output"]) == BEAMS and all(t.startswith(PROMPT) for t in reply["text_output"])
+
+
+def test_a_cancelled_beam_stream_frees_every_beam_block(server):
+    client, results = server.open_stream()
+    try:
+        server.send(client, {"text_input": PROMPT, "max_tokens": 200, "stream": True, "beam_width": 3},
+                    request_id="beam-cancel")
+        result, error = results.get(timeout=120)  # the beams are running
+        assert error is None and result.as_numpy("text_output").shape == (3,)
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    metrics = server.wait_idle(timeout_s=60)
+    assert metrics[("nv_trt_llm_request_metrics", "active")] == 0, metrics
+    assert metrics[("nv_trt_llm_kv_cache_block_metrics", "free")] == \
+        metrics[("nv_trt_llm_kv_cache_block_metrics", "max")]

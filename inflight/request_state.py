@@ -134,14 +134,14 @@ class RequestState:
 
     def response(self, is_final: bool) -> Response:
         request, seq = self.request, self.seq
-        generated = seq.generated_token_ids
-        if request.streaming:
-            new_tokens = generated[self.num_streamed_tokens:]
+        num_prompt = seq.num_prompt_tokens
+        num_generated = len(seq.token_ids) - num_prompt
+        if request.streaming:  # only the new tokens are copied: this runs per row per step
+            output = seq.token_ids[num_prompt + self.num_streamed_tokens:]
             new_log_probs = self.log_probs[self.num_streamed_tokens:]
-            self.num_streamed_tokens = len(generated)
-            output = new_tokens
+            self.num_streamed_tokens = num_generated
         elif request.output_config.exclude_input_from_output:
-            output, new_log_probs = generated, self.log_probs
+            output, new_log_probs = seq.generated_token_ids, self.log_probs
         else:
             output, new_log_probs = seq.token_ids, self.log_probs
         want_log_probs = request.output_config.return_log_probs
@@ -152,7 +152,7 @@ class RequestState:
             log_probs=[list(new_log_probs)] if want_log_probs else None,
             finish_reasons=[self.finish_reason],
             is_sequence_final=is_final,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(generated),
+            num_input_tokens=num_prompt,
+            num_output_tokens=num_generated,
         )
         return Response(request_id=self.request_id, result=result, client_id=request.client_id)

@@ -104,12 +104,12 @@ def make_engine(max_batch_size: int, max_seq_len: int) -> LLMEngine:
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, num_decode_steps: int,
-            profiler: cProfile.Profile | None = None) -> dict:
+            profiler: cProfile.Profile | None = None, streaming: bool = False) -> dict:
     """Median CPU seconds of the decode-only steps of `batch` requests run to completion."""
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)]
-        engine.add_request(Request(prompt, num_decode_steps + 2,
+        engine.add_request(Request(prompt, num_decode_steps + 2, streaming=streaming,
                                    output_config=OutputConfig(exclude_input_from_output=True)))
     times = []
     while engine.has_unfinished():
@@ -138,13 +138,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per batch (best median kept)")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps")
+    parser.add_argument("--streaming", action="store_true",
+                        help="streaming requests (a response per row per step, as Triton serves)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     engine = make_engine(max(args.batches), args.max_seq_len)
     measure(engine, min(4, max(args.batches)), args.prompt_len, 8)  # warm caches and allocators
     rows = []
     for batch in args.batches:
-        runs = [measure(engine, batch, args.prompt_len, args.steps) for _ in range(args.repeats)]
+        runs = [measure(engine, batch, args.prompt_len, args.steps, streaming=args.streaming)
+                for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["us_per_step"])
         rows.append(best)
         print(f"batch {batch:>4}: {best['us_per_step']:8.1f} us per decode step, "
@@ -155,7 +158,7 @@ def main() -> int:
         print(f"marginal: {slope:.2f} us per extra decode row (batch {lo['batch']} -> {hi['batch']})")
     if args.profile:
         profiler = cProfile.Profile()
-        measure(engine, max(args.batches), args.prompt_len, args.steps, profiler)
+        measure(engine, max(args.batches), args.prompt_len, args.steps, profiler, args.streaming)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return 0
 

@@ -101,3 +101,21 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
         **_knob_fields(ExecutorConfig, params),
     )
+
+
+# NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them
+# so NVIDIA's fill_template commands work, and a value set for one has no effect.
+IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_length",
+                "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
+                "enable_trt_overlap", "request_stats_max_iterations", "gpu_device_ids", "participant_ids",
+                "num_nodes", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
+                "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
+                "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
+                "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
+                "xgrammar_tokenizer_info_path")
+
+
+def ignored_parameters(params: dict[str, str]) -> list[str]:
+    """The NVIDIA keys set in `params` that this engine does not act on."""
+    return [key for key in IGNORED_KEYS if key in params]

@@ -38,7 +38,7 @@ def test_precompile_covers_every_variant_of_a_mixed_workload(tmp_path, monkeypat
     save_tiny_checkpoint("llama3", tmp_path)
     engine = make_engine(tmp_path, max_batch_size=4, max_num_tokens=16, max_seq_len=96,
                          enable_chunked_context=True,
-                         kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=16))
+                         kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=2))
     worker = engine.worker
     model, config = load_model(tmp_path, torch.float32, "cpu", "triton")
     model.attention_backend.reserve(AttentionLimits(
@@ -56,6 +56,9 @@ def test_precompile_covers_every_variant_of_a_mixed_workload(tmp_path, monkeypat
                 gen_request([5, 6, 8], 3, end_id=-1, sampling_config=sampled)]
     with LaunchRecorder() as serving:
         run(engine, requests)
+        # Alone, a 32-token prompt is two 16-token chunks: the second's block tables are 16
+        # entries wide (block size 2), a value class of its own had the kernels specialized it.
+        run(engine, [gen_request(list(range(100, 132)), 1, end_id=-1)])
     assert serving.keys, "the workload launched no kernel"
     missing = serving.keys - start_up.keys
     assert not missing, f"variants first asked for while serving: {sorted(k for k, _ in missing)}"

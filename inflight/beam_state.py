@@ -43,14 +43,14 @@ class BeamRequestState(RequestState):
         self.search = BeamSearch(sc.beam_width, request.max_tokens, sc.length_penalty,
                                  sc.early_stopping, end_id, request.stop_words)
 
-    def sampling_row(self, seq: Sequence | None = None) -> SamplingRow:
+    def beam_row(self, seq: Sequence) -> SamplingRow:
         """Beam `seq`'s row this step: the processors of a plain row, its beam's score."""
         sc, request = self.sampling, self.request
-        index = self.seq.group.index(seq) if seq is not None and seq is not self.seq else 0
+        index = self.seq.group.index(seq) if seq is not self.seq else 0
         beam = self.search.beams[index]
         temperature = sc.temperature if sc.temperature else 1.0  # 0 / unset: no scaling
         return SamplingRow(
-            token_ids=seq.token_ids if seq is not None else self.seq.token_ids,
+            token_ids=seq.token_ids,
             num_prompt_tokens=self.seq.num_prompt_tokens,
             repetition_penalty=sc.repetition_penalty or 1.0,
             presence_penalty=sc.presence_penalty or 0.0,

@@ -164,7 +164,9 @@ class BlockManager:
                 self._free[block] = None
                 if block not in self._block_hash:
                     self._free.move_to_end(block, last=False)
-        seq.block_table.clear()
+        # A new list, not clear(): a holder of the old list (the CUDA-graph runner's staging
+        # remembers which table it copied) sees the table was dropped, not rewritten.
+        seq.block_table = []
         self._seq_hashes.pop(seq, None)
 
     def reassign_beams(self, beams: list[Sequence], parents: list[int]) -> list[tuple[int, int]]:
@@ -182,7 +184,7 @@ class BlockManager:
             for block in table:
                 self._ref_counts[block] += 1
         for beam, table, chain in zip(beams, tables, hashes):
-            self.free(beam)
+            self.free(beam)  # gives the beam a new list: the copy-on-write below edits only it
             beam.block_table.extend(table)
             if self.enable_prefix_caching:
                 self._seq_hashes[beam] = chain

@@ -6,6 +6,7 @@
 #                                       # then tools/bench_gpu.py --quick
 #   bash tools/gpu_check.sh bench-full  # tools/bench_gpu.py --full alone (<= 9 min)
 #   bash tools/gpu_check.sh tests       # the first three stages alone (~5 min)
+#   bash tools/gpu_check.sh beam        # beam search on CUDA vs HF, next to greedy requests
 #   bash tools/gpu_check.sh jit         # ~3 min: Triton compiles after start-up over a mixed
 #                                       # workload, 1B and 8B (must be 0), slowest step
 #   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
@@ -49,9 +50,11 @@ if [[ $what == all || $what == tests ]]; then
     $PY -m pytest -q -p no:cacheprovider tests/kernels
   stage "model tier on CUDA" 75 model.log \
     $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
-  stage "beam search on CUDA" 90 beam.log \
-    $PY -m pytest -q -p no:cacheprovider tests/gpu/test_beam_cuda.py
   stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
+fi
+if [[ $what == beam ]]; then
+  stage "beam search on CUDA" 280 beam.log \
+    $PY -m pytest -q -p no:cacheprovider tests/gpu/test_beam_cuda.py
 fi
 if [[ $what == all ]]; then
   stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"

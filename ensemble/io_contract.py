@@ -127,6 +127,8 @@ TENSORRT_LLM = ModelIO(
         _scalar("exclude_input_in_output", "TYPE_BOOL"),
         _scalar("stop", "TYPE_BOOL"),
         _scalar("streaming", "TYPE_BOOL"),
+        _in("guided_decoding_guide_type", "TYPE_STRING", allow_ragged_batch=True),
+        _in("guided_decoding_guide", "TYPE_STRING", allow_ragged_batch=True),
     ),
     outputs=(
         _in("output_ids", "TYPE_INT32", (-1, -1)),
@@ -183,6 +185,8 @@ ENSEMBLE = ModelIO(
         _in("return_num_output_tokens", "TYPE_BOOL"),
         _in("apply_chat_template", "TYPE_BOOL"),  # ext
         _in("add_special_tokens", "TYPE_BOOL"),  # ext
+        _in("guided_decoding_guide_type", "TYPE_STRING"),
+        _in("guided_decoding_guide", "TYPE_STRING"),
     ),
     outputs=(
         _in("text_output", "TYPE_STRING", (-1,)),
@@ -241,4 +245,6 @@ ENSEMBLE_ROUTES = {
     "return_log_probs": ("tensorrt_llm", "return_log_probs"),
     "return_num_input_tokens": ("tensorrt_llm", "return_num_input_tokens"),
     "return_num_output_tokens": ("tensorrt_llm", "return_num_output_tokens"),
+    "guided_decoding_guide_type": ("tensorrt_llm", "guided_decoding_guide_type"),
+    "guided_decoding_guide": ("tensorrt_llm", "guided_decoding_guide"),
 }

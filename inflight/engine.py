@@ -19,8 +19,13 @@ work hides behind the GPU's. The protocol:
 A row that finished at N-1 but was computed in N has its N token discarded; nothing it
 produced after its finish is ever sent. Streamed chunks and final outputs are the
 synchronous engine's; they leave one step later. Requests whose sampling reads earlier tokens
-on the host (`RequestState.needs_host_tokens`) make the engine step synchronously while they
-are live; so does the CPU by default.
+on the host (`RequestState.needs_host_tokens`: logits processors, penalties, multi-token bad
+words, guided decoding) make the engine step synchronously while they are live; so does the CPU
+by default.
+
+Guided decoding (`ExecutorConfig.guided_decoding_config`): `prepare` compiles the request's guide
+(cached, `inflight.sampling.grammar`) and gives it a grammar matcher, which accepts each token as
+it arrives; the sampler masks the logits with the matcher's next-token mask.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCac
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_state import RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,7 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        self.grammars = self._grammar_compiler()
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -93,6 +100,14 @@ class LLMEngine:
         tensors instead of the folder's files (benchmarks; see `Worker`)."""
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
+
+    def _grammar_compiler(self):
+        guided = self.config.guided_decoding_config
+        if guided is None:
+            return None
+        from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
+
+        return GrammarCompiler(guided, self.model_config.vocab_size)
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -121,7 +136,19 @@ class LLMEngine:
         if reason:
             raise RequestError(reason)
         return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request))
+                            self._embedding_bias(request), self.guide(request))
+
+    def guide(self, request: Request):
+        """A grammar matcher for the request's guide (None without one). Compiles the guide, or
+        takes it from the cache; a guide that does not compile raises RequestError."""
+        params = request.guided_decoding_params
+        if params is None:
+            return None
+        if self.grammars is None:
+            raise RequestError("guided decoding (guided_decoding_guide_type) needs a model configured "
+                               "for it: set the tensorrt_llm parameters guided_decoding_backend "
+                               "(xgrammar) and tokenizer_dir")
+        return self.grammars.matcher(params)
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -234,6 +261,9 @@ class LLMEngine:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob)
+            except GuideViolation as exc:
+                responses.append(self._fail_request(state, str(exc)))
+                continue
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue

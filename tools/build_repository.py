@@ -63,6 +63,9 @@ DEFAULTS = {
     "cancellation_check_period_ms": "100",
     "stats_check_period_ms": "100",
     "iter_stats_max_iterations": "1000",
+    # Guided decoding (json, json_schema, regex, ebnf_grammar guides) with the model's tokenizer.
+    # NVIDIA leaves it off; "" turns it off (saves loading xgrammar and the vocabulary at start).
+    "guided_decoding_backend": "xgrammar",
     # attention_backend, cuda_graph_mode, cuda_graph_cache_size, ...: declared once, with the
     # engine's defaults, in inflight/serving/params.py KNOBS.
     **template_defaults(),

@@ -95,6 +95,28 @@ class OutputConfig:
         _check(not self.return_generation_logits, "return_generation_logits is not supported")
 
 
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """TensorRT-LLM's `executor.GuidedDecodingParams`: constrain the output to a guide.
+
+    `guide_type` is one of GUIDE_TYPES (TensorRT-LLM's `GuideType` names, lower-case, as the
+    Triton input `guided_decoding_guide_type` spells them); `guide` is the JSON schema, the
+    regular expression or the EBNF grammar (root rule `root`), and is not needed for `json`
+    (any JSON value)."""
+
+    guide_type: str
+    guide: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.guide_type in GUIDE_TYPES, f"guided_decoding_guide_type must be one of "
+               f"{', '.join(GUIDE_TYPES)}, got '{self.guide_type}'")
+        _check(self.guide_type == "json" or bool(self.guide),
+               f"guided_decoding_guide is required for guide type {self.guide_type}")
+
+
 @dataclass
 class Request:
     """One generation request (TensorRT-LLM's `executor.Request`).
@@ -113,6 +135,7 @@ class Request:
     bad_words: list[list[int]] | None = None
     stop_words: list[list[int]] | None = None
     embedding_bias: Any | None = None  # [vocab_size] floats (list, numpy array or tensor)
+    guided_decoding_params: GuidedDecodingParams | None = None
     client_id: int | None = None
     # Offline-API extension points (see inflight.runtime); not part of TensorRT-LLM's Request.
     logits_processor: Any | None = None

@@ -15,8 +15,8 @@ import numpy as np
 from ensemble.errors import InputError
 from ensemble.io_contract import CONTEXT_TOKENS
 from ensemble.word_list import parse_word_list
-from inflight.executor.types import (OutputConfig, Request, RequestError, Response,
-                                     SamplingConfig)
+from inflight.executor.types import (GuidedDecodingParams, OutputConfig, Request, RequestError,
+                                     Response, SamplingConfig)
 
 
 @dataclass
@@ -161,7 +161,31 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
         stop_words=_words(inputs, "stop_words_list", row),
         bad_words=_words(inputs, "bad_words_list", row),
         embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
+        guided_decoding_params=guided_decoding_params(inputs, row),
     )
+
+
+def guided_decoding_params(inputs: dict[str, np.ndarray], row: int) -> GuidedDecodingParams | None:
+    """`guided_decoding_guide_type` and `guided_decoding_guide` (STRING [1] each) → the row's
+    guide. No type (or an empty one) means no guide, as in NVIDIA's model; a guide without a
+    type, an unknown type or a missing guide is refused (RequestError)."""
+    guide_type = _text(inputs, "guided_decoding_guide_type", row)
+    guide = _text(inputs, "guided_decoding_guide", row)
+    if not guide_type:
+        if guide:
+            raise RequestError("guided_decoding_guide was sent without a guided_decoding_guide_type")
+        return None
+    return GuidedDecodingParams(guide_type, guide or None)
+
+
+def _text(inputs: dict[str, np.ndarray], name: str, row: int) -> str | None:
+    value = _scalar(inputs, name, row, lambda v: v)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"input '{name}' is not valid UTF-8") from None
+    return None if value is None else str(value)
 
 
 def _words(inputs, name: str, row: int) -> list[list[int]] | None:

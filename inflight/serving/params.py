@@ -9,7 +9,8 @@ from typing import Callable
 from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
 from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig,
-                                      ExtendedRuntimePerfKnobConfig, KvCacheConfig, SchedulerConfig)
+                                      ExtendedRuntimePerfKnobConfig, GuidedDecodingBackend,
+                                      GuidedDecodingConfig, KvCacheConfig, SchedulerConfig)
 
 
 def get_str(params: dict[str, str], key: str, default: str) -> str:
@@ -99,5 +100,22 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         device=params.get("device", "auto"),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
+        guided_decoding_config=guided_decoding_config(params),
         **_knob_fields(ExecutorConfig, params),
     )
+
+
+def guided_decoding_config(params: dict[str, str]) -> GuidedDecodingConfig | None:
+    """NVIDIA's keys: `guided_decoding_backend` (xgrammar; unset: off) and `tokenizer_dir`, the
+    Hugging Face tokenizer the token masks are built from (loaded here, at model load)."""
+    name = params.get("guided_decoding_backend", "")
+    if not name:
+        return None
+    GuidedDecodingBackend.from_name(name)  # only xgrammar
+    tokenizer_dir = params.get("tokenizer_dir", "")
+    if not tokenizer_dir:
+        raise ConfigError(f"guided_decoding_backend is '{name}' but tokenizer_dir is not set; "
+                          "guided decoding needs the model's tokenizer")
+    from inflight.sampling.grammar import guided_decoding_config_from_dir  # transformers, xgrammar
+
+    return guided_decoding_config_from_dir(tokenizer_dir)

@@ -43,6 +43,7 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
+from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_state import RequestState
@@ -140,15 +141,24 @@ class LLMEngine:
 
     def guide(self, request: Request):
         """A grammar matcher for the request's guide (None without one). Compiles the guide, or
-        takes it from the cache; a guide that does not compile raises RequestError."""
+        takes it from the cache; a guide that does not compile raises RequestError, and so does
+        a guide sent to an engine without guided decoding."""
         params = request.guided_decoding_params
         if params is None:
             return None
         if self.grammars is None:
-            raise RequestError("guided decoding (guided_decoding_guide_type) needs a model configured "
-                               "for it: set the tensorrt_llm parameters guided_decoding_backend "
-                               "(xgrammar) and tokenizer_dir")
+            raise RequestError(GUIDED_DECODING_OFF)
         return self.grammars.matcher(params)
+
+    def compile_guide(self, request: Request) -> None:
+        """Compiles the request's guide into the cache now (RequestError as `guide`), so that
+        `prepare` finds it there: the executor calls this on the caller's thread, outside its
+        lock, because compiling a JSON schema over a large vocabulary can take a while."""
+        params = request.guided_decoding_params
+        if params is not None:
+            if self.grammars is None:
+                raise RequestError(GUIDED_DECODING_OFF)
+            self.grammars.compile(params)
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state

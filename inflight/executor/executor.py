@@ -65,8 +65,8 @@ class Executor:
 
     def enqueue_requests(self, requests: Iterable[Request]) -> list[int]:
         requests = list(requests)
-        for request in requests:  # compile guides before the lock: the engine loop needs it
-            self.engine.guide(request)
+        for request in requests:  # slow at worst; the engine loop waits on the lock
+            self.engine.compile_guide(request)
         with self._lock:
             if not self.can_enqueue_requests():
                 raise RuntimeError(self._fatal_error or "the executor has been shut down")

@@ -173,3 +173,16 @@ def guided_decoding_config_from_dir(tokenizer_dir: str | Path) -> GuidedDecoding
         raise ConfigError(f"cannot load the tokenizer for guided decoding from tokenizer_dir "
                          f"'{tokenizer_dir}': {exc}") from None
     return guided_decoding_config(tokenizer)
+
+
+def guided_decoding_config_from_info(path: str | Path) -> GuidedDecodingConfig:
+    """The config from a tokenizer-info JSON file (`xgrammar_tokenizer_info_path`): TensorRT-LLM
+    writes `encoded_vocab`, `tokenizer_str` and `stop_token_ids` there."""
+    try:
+        info = json.loads(Path(path).read_text(encoding="utf-8"))
+        return GuidedDecodingConfig(encoded_vocab=tuple(info["encoded_vocab"]),
+                                    tokenizer_str=info.get("tokenizer_str"),
+                                    stop_token_ids=tuple(info.get("stop_token_ids") or ()) or None)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read the xgrammar tokenizer info in xgrammar_tokenizer_info_path "
+                          f"'{path}': {type(exc).__name__}: {exc}") from None

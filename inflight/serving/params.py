@@ -106,16 +106,36 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
 
 
 def guided_decoding_config(params: dict[str, str]) -> GuidedDecodingConfig | None:
-    """NVIDIA's keys: `guided_decoding_backend` (xgrammar; unset: off) and `tokenizer_dir`, the
-    Hugging Face tokenizer the token masks are built from (loaded here, at model load)."""
+    """NVIDIA's keys: `guided_decoding_backend` (xgrammar; unset: off) and the tokenizer the
+    token masks are built from: the Hugging Face one in `tokenizer_dir` (NVIDIA's Python model),
+    else the JSON file `xgrammar_tokenizer_info_path` (NVIDIA's C++ model). Loaded here, once."""
     name = params.get("guided_decoding_backend", "")
     if not name:
         return None
     GuidedDecodingBackend.from_name(name)  # only xgrammar
-    tokenizer_dir = params.get("tokenizer_dir", "")
-    if not tokenizer_dir:
-        raise ConfigError(f"guided_decoding_backend is '{name}' but tokenizer_dir is not set; "
-                          "guided decoding needs the model's tokenizer")
-    from inflight.sampling.grammar import guided_decoding_config_from_dir  # transformers, xgrammar
+    tokenizer_dir, info_path = params.get("tokenizer_dir", ""), params.get("xgrammar_tokenizer_info_path", "")
+    if not tokenizer_dir and not info_path:
+        raise ConfigError(f"guided_decoding_backend is '{name}' but neither tokenizer_dir nor "
+                          "xgrammar_tokenizer_info_path is set; guided decoding needs the model's tokenizer")
+    from inflight.sampling import grammar  # transformers, xgrammar: only when guided decoding is on
 
-    return guided_decoding_config_from_dir(tokenizer_dir)
+    if tokenizer_dir:
+        return grammar.guided_decoding_config_from_dir(tokenizer_dir)
+    return grammar.guided_decoding_config_from_info(info_path)
+
+
+# NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them
+# so NVIDIA's fill_template commands work, and a value set for one has no effect.
+IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_length",
+                "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
+                "enable_trt_overlap", "request_stats_max_iterations", "gpu_device_ids", "participant_ids",
+                "num_nodes", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
+                "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
+                "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
+                "speculative_decoding_fast_logits")
+
+
+def ignored_parameters(params: dict[str, str]) -> list[str]:
+    """The NVIDIA keys set in `params` that this engine does not act on."""
+    return [key for key in IGNORED_KEYS if key in params]

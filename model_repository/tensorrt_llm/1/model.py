@@ -27,8 +27,8 @@ from ensemble.errors import InputError
 from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import FinishReason, QueueFullError, RequestError
 from inflight.serving import convert, drain, faults, metrics
-from inflight.serving.backend import create_executor
-from inflight.serving.params import executor_config
+from inflight.serving.backend import create_executor, engine_features
+from inflight.serving.params import executor_config, ignored_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -62,11 +62,14 @@ class TritonPythonModel:
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
         config = executor_config(values, params.queue_size(model_config))
+        if ignored_parameters(values):
+            pb_utils.Logger.log_warn(f"parameters with no effect on this engine: {ignored_parameters(values)}")
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
+        backend = values.get("executor_backend", "builtin")
+        self.features = engine_features(backend, config)
         try:
-            self.executor = create_executor(values.get("executor_backend", "builtin"),
-                                            values["gpt_model_path"], config)
+            self.executor = create_executor(backend, values["gpt_model_path"], config)
         except RuntimeError as exc:  # one clear sentence, not a traceback
             raise pb_utils.TritonModelException(str(exc)) from None
         faults.install_test_hook(self.executor, os.environ.get(faults.ENV_VAR))
@@ -104,7 +107,7 @@ class TritonPythonModel:
                                      pb_utils.TritonError.UNAVAILABLE)
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
-                                                     self.limits)
+                                                     self.limits, self.features)
                 with self.lock:
                     pending = Pending(sender, request.request_id(), control.new_request_key(self.by_key),
                                       num_open_rows=len(rows))

@@ -137,7 +137,6 @@ REFUSALS = [
     ({"return_context_logits": np.array([[True]])}, "return_context_logits is not supported yet"),
     ({"return_generation_logits": np.array([[True]])}, "return_generation_logits is not supported yet"),
     ({"return_perf_metrics": np.array([[True]])}, "return_perf_metrics is not supported yet"),
-    ({"guided_decoding_guide_type": np.array([["json"]], dtype=object)}, "guided decoding"),
     ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA is not supported yet"),
     ({"decoder_text_input": np.array([["x"]], dtype=object)}, "this model is decoder-only"),
     ({"top_p": np.array([[1.5]], np.float32)}, "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),

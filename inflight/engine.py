@@ -140,25 +140,23 @@ class LLMEngine:
                             self._embedding_bias(request), self.guide(request))
 
     def guide(self, request: Request):
-        """A grammar matcher for the request's guide (None without one). Compiles the guide, or
-        takes it from the cache; a guide that does not compile raises RequestError, and so does
-        a guide sent to an engine without guided decoding."""
+        """A grammar matcher for the request's guide (None without one), its grammar compiled
+        or taken from the cache. Raises RequestError for a guide that does not compile or an
+        engine without guided decoding."""
         params = request.guided_decoding_params
-        if params is None:
-            return None
-        if self.grammars is None:
-            raise RequestError(GUIDED_DECODING_OFF)
-        return self.grammars.matcher(params)
+        return None if params is None else self._grammar_compiler_for_requests().matcher(params)
 
     def compile_guide(self, request: Request) -> None:
-        """Compiles the request's guide into the cache now (RequestError as `guide`), so that
-        `prepare` finds it there: the executor calls this on the caller's thread, outside its
-        lock, because compiling a JSON schema over a large vocabulary can take a while."""
-        params = request.guided_decoding_params
-        if params is not None:
-            if self.grammars is None:
-                raise RequestError(GUIDED_DECODING_OFF)
-            self.grammars.compile(params)
+        """Compiles the request's guide into the cache now (errors as `guide`): the executor
+        calls this on the caller's thread before taking its lock, so a large schema's compile
+        never holds up the engine loop, and `prepare` finds the grammar in the cache."""
+        if request.guided_decoding_params is not None:
+            self._grammar_compiler_for_requests().compile(request.guided_decoding_params)
+
+    def _grammar_compiler_for_requests(self):
+        if self.grammars is None:
+            raise RequestError(GUIDED_DECODING_OFF)
+        return self.grammars
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state

@@ -65,7 +65,7 @@ class Executor:
 
     def enqueue_requests(self, requests: Iterable[Request]) -> list[int]:
         requests = list(requests)
-        for request in requests:  # slow at worst; the engine loop waits on the lock
+        for request in requests:  # before the lock the engine loop takes: compiling may be slow
             self.engine.compile_guide(request)
         with self._lock:
             if not self.can_enqueue_requests():

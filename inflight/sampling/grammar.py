@@ -29,7 +29,8 @@ from inflight.executor.config import GuidedDecodingConfig
 from inflight.executor.types import GuidedDecodingParams, RequestError
 from inflight.sampling.token_mask import GuideViolation
 
-# Compiled grammars kept; a JSON-schema grammar over a 50k vocabulary holds a few MB at most.
+# Compiled grammars kept. Over SmolLM2's 49k-token vocabulary one measured 1 KB (a two-word EBNF)
+# to 115 KB (the built-in JSON grammar), compiled in 1-63 ms on a loaded 2-core machine.
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -56,8 +57,8 @@ class GuideMatcher:
 
 
 class GrammarCompiler:
-    """Compiles guides against one tokenizer (thread-safe: `LLMEngine.prepare` may run on the
-    caller's thread)."""
+    """Compiles guides against one tokenizer. Thread-safe: the executor compiles on its
+    callers' threads (`LLMEngine.compile_guide`)."""
 
     def __init__(self, config: GuidedDecodingConfig, vocab_size: int,
                  max_cached: int = MAX_CACHED_GRAMMARS):
@@ -86,19 +87,21 @@ class GrammarCompiler:
 
     def compile(self, params: GuidedDecodingParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of a guide, from the cache when it was compiled before. Raises
-        RequestError, naming the guide type, when the guide is not valid."""
+        RequestError, naming the guide type, when the guide is not valid. The lock guards only
+        the cache: a long compile holds up no other caller (two may compile the same guide)."""
         key = (params.guide_type, "" if params.guide_type == "json" else params.guide)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
                 return grammar
-            grammar = self._compile(params)
+        grammar = self._compile(params)
+        with self._lock:
             self.num_compiled += 1
             self._cache[key] = grammar
             if len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
-            return grammar
+        return grammar
 
     def _compile(self, params: GuidedDecodingParams) -> xgrammar.CompiledGrammar:
         guide_type, guide = params.guide_type, params.guide

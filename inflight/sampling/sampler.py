@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inflight.platform import to_device
-from inflight.sampling.token_mask import Guide, apply_token_mask, build_token_mask
+from inflight.sampling.token_mask import Guide, build_token_mask
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -223,7 +223,7 @@ class Sampler:
             logits.view(-1).index_fill_(0, _flat_indices(banned, vocab_size, device), float("-inf"))
         token_mask = build_token_mask(rows, vocab_size, device)
         if token_mask is not None:
-            apply_token_mask(logits, token_mask)
+            token_mask.apply(logits)
         return logits
 
     @staticmethod

@@ -1,17 +1,18 @@
 """Token masks of guided rows: filled on the host, applied on the logits' device without a sync.
 
 A mask row is `ceil(vocab / 32)` int32 words; bit j of word w allows token 32·w + j (xgrammar's
-bitmask layout). `build_token_mask` fills one row per sampled row, a guided row's from its
-grammar matcher and every other row's with all bits set, into pinned host memory and queues its
-copy to the device with `non_blocking` (no host sync: the caching host allocator keeps the
-pinned block until the copy has run). `apply_token_mask` turns the zero bits into -inf logits
-on the device in a few elementwise kernels, so the step's one host wait stays the one for its
-sampled ids.
+bitmask layout). `build_token_mask` fills one row per guided row from its grammar matcher, on
+the host while the device computes the step's logits, into pinned memory, and queues its copy
+to the device with `non_blocking` (no host sync: the caching host allocator keeps the pinned
+block until the copy has run). `TokenMask.apply` turns the zero bits into -inf logits on the
+device in a few elementwise kernels, so the step's one host wait stays the one for its sampled
+ids.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -46,24 +47,45 @@ def num_mask_words(vocab_size: int) -> int:
     return -(-vocab_size // BITS_PER_WORD)
 
 
+@dataclass
+class TokenMask:
+    """The guided rows' token masks on the logits' device: `words` [G, num_words] int32 for the
+    sampled rows `row_ids` [G] int32 (views of one buffer, copied in one go)."""
+
+    row_ids: torch.Tensor
+    words: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sets the forbidden tokens' logits [S, vocab] to -inf, in place, on the device; only
+        the guided rows are touched (a mixed batch pays for its guided rows alone)."""
+        rows = self.row_ids.long()
+        guided = apply_token_mask(logits.index_select(0, rows), self.words)
+        return logits.index_copy_(0, rows, guided)
+
+
 def build_token_mask(rows: Sequence[GuidedRow], vocab_size: int,
-                     device: torch.device) -> torch.Tensor | None:
-    """[S, words] int32 on `device`, one row per sampled row; None when no row is guided.
+                     device: torch.device) -> TokenMask | None:
+    """The masks of the guided rows among `rows`, on `device`; None when no row is guided.
 
     A guided row's bans (bad words, min_tokens) are folded into its mask, so the sampler does
     not apply them again (`ban_tokens`)."""
     guided = [i for i, row in enumerate(rows) if row.guide is not None]
     if not guided:
         return None
+    num_guided, num_words = len(guided), num_mask_words(vocab_size)
+    size = num_guided * num_words
     on_cuda = device.type == "cuda"
-    host = torch.full((len(rows), num_mask_words(vocab_size)), -1, dtype=torch.int32,
-                      pin_memory=on_cuda)
-    words = host.numpy().view(np.uint32)
-    for i in guided:
-        rows[i].guide.fill_next_token_bitmask(host, i)
-        _clear_tail(words[i], vocab_size)
-        ban_tokens(words[i], rows[i].banned_token_ids())
-    return host.to(device, non_blocking=True) if on_cuda else host
+    # One buffer, masks then row ids, so one copy carries both.
+    host = torch.empty(size + num_guided, dtype=torch.int32, pin_memory=on_cuda)
+    bitmask = host[:size].view(num_guided, num_words)
+    words = bitmask.numpy().view(np.uint32)
+    for k, i in enumerate(guided):
+        rows[i].guide.fill_next_token_bitmask(bitmask, k)  # writes the whole row
+        _clear_tail(words[k], vocab_size)
+        ban_tokens(words[k], rows[i].banned_token_ids())
+    host.numpy()[size:] = guided
+    flat = host.to(device, non_blocking=True) if on_cuda else host
+    return TokenMask(row_ids=flat[size:], words=flat[:size].view(num_guided, num_words))
 
 
 def _clear_tail(words: np.ndarray, vocab_size: int) -> None:

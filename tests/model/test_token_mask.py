@@ -42,9 +42,10 @@ class Row:
 def test_mask_allows_exactly_the_guides_tokens_and_leaves_other_rows_alone(vocab_size):
     rows = [Row(AllowList([0, 5, vocab_size - 1])), Row(), Row(AllowList([3, 4]), banned=[4])]
     mask = build_token_mask(rows, vocab_size, torch.device("cpu"))
-    assert mask.shape == (3, num_mask_words(vocab_size)) and mask.dtype == torch.int32
+    assert mask.words.shape == (2, num_mask_words(vocab_size)) and mask.words.dtype == torch.int32
+    assert mask.row_ids.tolist() == [0, 2]  # the guided rows only
     logits = torch.randn(3, vocab_size)
-    masked = apply_token_mask(logits.clone(), mask)
+    masked = mask.apply(logits.clone())
     allowed = [{0, 5, vocab_size - 1}, set(range(vocab_size)), {3}]  # row 2's ban folded in
     for row, tokens in enumerate(allowed):
         finite = set(torch.isfinite(masked[row]).nonzero().flatten().tolist())

@@ -39,7 +39,8 @@ def test_json_schema_output_parses_and_follows_the_schema(server, model, stream)
     results, errors, _ = stream_once(server, guided("json_schema", json.dumps(SCHEMA), stream), model)
     assert not errors, errors
     value = json.loads(text_of(results))
-    assert set(value) == {"capital", "country"} and value["capital"] in SCHEMA["properties"]["capital"]["enum"]
+    assert set(value) == {"capital", "country"}
+    assert value["capital"] in SCHEMA["properties"]["capital"]["enum"]
 
 
 def test_regex_output_matches(server):

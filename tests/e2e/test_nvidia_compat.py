@@ -266,7 +266,8 @@ def test_the_plain_set_up_refuses_streaming_with_one_final_error(plain_server):
     # This set-up leaves guided decoding off, as NVIDIA's default does.
     guide = {"guided_decoding_guide_type": np.array([["json"]], dtype=object)}
     _, errors, _ = stream_once(plain_server, text_inputs(**guide))
-    assert len(errors) == 1 and "guided decoding (guided_decoding_guide_type) is off in this model" in errors[0]
+    assert len(errors) == 1
+    assert "guided decoding (guided_decoding_guide_type) is off in this model" in errors[0]
 
 
 def test_http_infer_refusal_names_the_input(plain_server):

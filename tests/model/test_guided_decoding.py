@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from inflight.engine import LLMEngine
 from inflight.executor.config import ExecutorConfig
@@ -78,7 +79,8 @@ def test_unguided_output_is_not_in_the_language(engine):
 def test_guided_and_unguided_rows_in_one_batch_keep_their_solo_tokens(engine):
     solo_guided, _ = generate(engine, guide("ebnf_grammar"))
     solo_free, _ = generate(engine, None, prompt=[7, 300, 301, 9])
-    both = run(engine, [gen_request(PROMPT, MAX_TOKENS, end_id=EOS, guided_decoding_params=guide("ebnf_grammar")),
+    both = run(engine, [gen_request(PROMPT, MAX_TOKENS, end_id=EOS,
+                                    guided_decoding_params=guide("ebnf_grammar")),
                         gen_request([7, 300, 301, 9], MAX_TOKENS, end_id=EOS)])
     assert [output_tokens(r) for r in both] == [solo_guided, solo_free]
 
@@ -125,8 +127,10 @@ def test_bad_words_are_folded_into_the_mask_but_never_empty_it(engine):
     ("ebnf_grammar", 'start ::= "a"', 'root rule with name "root" is not found'),
 ])
 def test_a_bad_guide_fails_that_request_only(engine, guide_type, text, reason):
-    with pytest.raises(RequestError, match=f"guided_decoding_guide is not a valid {guide_type}: .*{re.escape(reason)}"):
-        engine.add_request(gen_request(PROMPT, 4, guided_decoding_params=GuidedDecodingParams(guide_type, text)))
+    params = GuidedDecodingParams(guide_type, text)
+    expected = f"guided_decoding_guide is not a valid {guide_type}: .*{re.escape(reason)}"
+    with pytest.raises(RequestError, match=expected):
+        engine.add_request(gen_request(PROMPT, 4, guided_decoding_params=params))
     assert not engine.has_unfinished()
     tokens, _ = generate(engine, guide("regex"))  # the engine carries on
     assert re.fullmatch(GUIDES["regex"], detokenize(tokens, VOCAB))
@@ -161,3 +165,15 @@ def test_real_worker_with_a_tiny_checkpoint(tiny_dir):
         tokens, response = generate(engine, guide(guide_type))
         assert response.result.finish_reasons == [FinishReason.END_ID]
         assert_in_language(guide_type, detokenize(tokens, 500))
+
+
+def test_a_token_the_grammar_refuses_fails_that_request_only(engine):
+    """An embedding bias of -inf on every digit leaves the regex no finite logit: whatever is
+    sampled, the matcher refuses it and the request fails with that reason."""
+    bias = torch.zeros(VOCAB)
+    bias[[char_vocab(VOCAB).index(c) for c in "0123456789"] + [char_vocab(VOCAB).index("12")]] = float("-inf")
+    bad = gen_request(PROMPT, 8, end_id=EOS, embedding_bias=bias, guided_decoding_params=guide("regex"))
+    good = gen_request(PROMPT, MAX_TOKENS, end_id=EOS, guided_decoding_params=guide("regex"))
+    failed, ok = run(engine, [bad, good])
+    assert "does not follow the request's grammar" in final(failed).error_msg
+    assert re.fullmatch(GUIDES["regex"], detokenize(output_tokens(ok), VOCAB))

@@ -215,7 +215,8 @@ def test_guided_decoding_inputs_become_the_rows_guide():
     inputs = _inputs(guided_decoding_guide_type=np.array([[b"regex"]], dtype=object),
                      guided_decoding_guide=np.array([[b"[0-9]+"]], dtype=object))
     [request], _ = convert.request_rows(inputs, True, False, features=guided)
-    assert (request.guided_decoding_params.guide_type, request.guided_decoding_params.guide) == ("regex", "[0-9]+")
+    params = request.guided_decoding_params
+    assert (params.guide_type, params.guide) == ("regex", "[0-9]+")
     # No type, or an empty one (NVIDIA's clients send ""), is no guide at all.
     for absent in ({}, {"guided_decoding_guide_type": np.array([[b""]], dtype=object)}):
         [request], _ = convert.request_rows(_inputs(**absent), True, False, features=guided)
@@ -226,8 +227,10 @@ def test_guided_decoding_inputs_become_the_rows_guide():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"guided_decoding_backend": "outlines"}, "unknown guided_decoding_backend 'outlines'; expected one of: xgrammar"),
-    ({"guided_decoding_backend": "xgrammar"}, "neither tokenizer_dir nor xgrammar_tokenizer_info_path is set"),
+    ({"guided_decoding_backend": "outlines"},
+     "unknown guided_decoding_backend 'outlines'; expected one of: xgrammar"),
+    ({"guided_decoding_backend": "xgrammar"},
+     "neither tokenizer_dir nor xgrammar_tokenizer_info_path is set"),
 ])
 def test_guided_decoding_parameters_are_checked_at_load(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -21,12 +21,14 @@ import torch
 BITS_PER_WORD = 32
 
 # apply_token_mask reads the int32 words as bytes, lowest byte first.
-assert sys.byteorder == "little", "token masks assume a little-endian host"
+if sys.byteorder != "little":
+    raise ImportError("guided decoding's token masks assume a little-endian host")
 
 
 class GuideViolation(RuntimeError):
-    """A sampled token that the request's grammar does not accept (the mask forbids it, so this
-    means a bug or a non-finite logit row); the request fails, the engine carries on."""
+    """A sampled token that the request's grammar does not accept. The mask forbids such tokens,
+    so it means no allowed token had a finite logit (an embedding bias of -inf on all of them,
+    say); the request fails, the engine carries on."""
 
 
 class Guide(Protocol):

@@ -19,7 +19,8 @@ import torch
 from inflight.core.beam_search import BeamRow
 from inflight.engine import LLMEngine
 from inflight.executor.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request, RequestError,
+                                     SamplingConfig)
 from inflight.sampling.beam_search import beam_candidates
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, make_engine, run
@@ -200,3 +201,10 @@ def test_overlapped_steps_give_the_synchronous_beams_and_neighbours(tiny):
         # each token's log prob may move by the model's fp32 noise.
         for c, c_sync, t in zip(cum, cum_sync, tokens):
             assert math.isclose(c, c_sync, abs_tol=len(t) * fp32_noise_bound(3, 64, max(1.0, abs(c_sync))))
+
+
+def test_guided_decoding_with_beam_search_is_refused_clearly():
+    request = beam_request(PROMPTS[0], width=2)
+    request.guided_decoding_params = GuidedDecodingParams("json")
+    with pytest.raises(RequestError, match="guided decoding is not supported with beam search"):
+        fake_engine().add_request(request)

@@ -40,7 +40,8 @@ from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from inflight.request_state import RequestState
+from inflight.request_outputs import RequestOutputs
+from inflight.request_state import RequestGroup, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
 
@@ -58,6 +59,8 @@ class _InFlight:
     batch: SchedulerOutput
     states: list[RequestState]  # the sampled rows' requests, in row order
     sample: DeviceSample | SamplerOutput
+    # Requests whose prompt logits the step computes, with how many (the worker's spans' order).
+    context_owners: list[tuple[RequestState, int]]
 
 
 class LLMEngine:
@@ -76,7 +79,8 @@ class LLMEngine:
                                    self.config.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context)
-        self.requests: dict[int, RequestState] = {}
+        self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
+        self.groups: dict[int, RequestGroup] = {}  # num_return_sequences > 1, by request id
         self._next_request_id = 1
         self.iteration = 0
         self.num_completed_requests = 0
@@ -115,17 +119,44 @@ class LLMEngine:
         if max_queue is not None and num_queued >= max_queue:
             raise QueueFullError(f"Maximum queue size of {max_queue} has been reached, "
                                  "please try again later")
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(request.input_token_ids),
-                       max_new_tokens=request.max_tokens)
-        reason = self.scheduler.check_fits(seq)
+        bias = self._embedding_bias(request)
+        first = self._new_state(request, request_id, request_id, 0, bias, None)
+        reason = self.scheduler.check_fits(first.seq)
         if reason:
             raise RequestError(reason)
-        return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request))
+        num_sequences = request.sampling_config.num_sequences
+        if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
+            others = [self._new_state(request, request_id, self.new_request_id(), i, bias, first.seq)
+                      for i in range(1, num_sequences)]
+            group = RequestGroup(request_id, [first, *others], others, num_sequences)
+            for state in group.members:
+                state.group = group
+        return first
+
+    def _new_state(self, request: Request, request_id: int, key: int, index: int,
+                   bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
+        """Sequence `index` of a request. Only the first returns the prompt's logits, and it
+        then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
+        want_context_logits = request.output_config.return_context_logits and index == 0
+        seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
+                       max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,
+                       fork_parent=parent)
+        outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
+        return RequestState(request_id, request, seq, self._make_generator(request, index), bias, outputs,
+                            sequence_index=index)
 
     def admit(self, state: RequestState) -> None:
-        self.requests[state.request_id] = state
+        self.requests[state.key] = state
         self.scheduler.add(state.seq)
+        if state.group is not None:
+            self.groups[state.request_id] = state.group
+
+    def _admit_others(self, group: RequestGroup) -> None:
+        """The first sequence's prompt is computed: queue the others first, so they share its
+        prompt blocks while it holds them."""
+        for state in reversed(group.take_waiting()):
+            self.requests[state.key] = state
+            self.scheduler.add(state.seq, first=True)
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.vocab_size
@@ -150,7 +181,9 @@ class LLMEngine:
         if bias is not None and len(bias) not in (0, vocab):
             raise RequestError(f"embedding_bias has {len(bias)} entries; expected {vocab} (the vocabulary size)")
 
-    def _make_generator(self, request: Request) -> torch.Generator | None:
+    def _make_generator(self, request: Request, index: int = 0) -> torch.Generator | None:
+        """The RNG of sequence `index`: seeded `seed + index`, so the first sequence draws what
+        the same request with one sequence draws."""
         if request.sampling_config.is_greedy:
             return None
         generator = torch.Generator(device=self.worker.device)
@@ -158,7 +191,7 @@ class LLMEngine:
         if seed is None:
             generator.seed()
         else:
-            generator.manual_seed(seed % 2**63)
+            generator.manual_seed((seed + index) % 2**63)
         return generator
 
     def _embedding_bias(self, request: Request) -> torch.Tensor | None:
@@ -168,12 +201,19 @@ class LLMEngine:
         return torch.as_tensor(bias, dtype=torch.float32).to(self.worker.device)
 
     def cancel(self, request_id: int) -> Response | None:
-        """Stop a request now; returns its final (cancelled) response, or None if unknown."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        state.finish_reason = FinishReason.CANCELLED
-        return self._finish(state)
+        """Stop a request (every sequence of it) now; returns its final (cancelled) response,
+        or None if unknown."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            states = [s for s in group.members if self.requests.get(s.key) is s or s in group.waiting]
+            group.waiting.clear()
+        else:
+            states = [self.requests[request_id]] if request_id in self.requests else []
+        response = None
+        for state in states:
+            state.finish_reason = FinishReason.CANCELLED
+            response = self._finish(state)
+        return response
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -189,13 +229,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        states = [self.requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        scheduled = [self.requests[s.seq.request_id] for s in batch.scheduled]
+        now_ns = time.time_ns()
+        for state in scheduled:
+            state.outputs.on_scheduled(now_ns)
+        states = [st for st, item in zip(scheduled, batch.scheduled) if item.is_sampled]
+        spans, context_owners = self._context_spans(batch, scheduled)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
             args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
                     [st.request_id for st in states])
-            sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
+            # Only a step that computes prompt logits passes them (stand-in workers need not know).
+            kwargs = {"context_logits": spans} if spans else {}
+            sample = (self.worker.launch(batch, *args, **kwargs) if overlap
+                      else self.worker.execute(batch, *args, **kwargs))
         except EngineFatalError:
             raise
         except Exception as exc:  # a failed step fails its requests, not the engine
@@ -207,11 +255,25 @@ class LLMEngine:
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
                 state.add_placeholder(i)
-        self._in_flight = _InFlight(batch, states, sample)
+            if state.group is not None and state.group.waiting:
+                self._admit_others(state.group)
+        self._in_flight = _InFlight(batch, states, sample, context_owners)
         if not overlap:
             responses += self._drain()
         self._record_stats(batch, time.perf_counter() - start)
         return responses
+
+    @staticmethod
+    def _context_spans(batch: SchedulerOutput, scheduled: list[RequestState]) -> tuple[list, list]:
+        """The worker's `context_logits` spans for this step, and whose they are."""
+        spans, owners = [], []
+        for row, (state, item) in enumerate(zip(scheduled, batch.scheduled)):
+            if state.outputs.needs_context_logits:
+                span = state.outputs.context_span(item.start_position, item.num_new_tokens)
+                if span is not None:
+                    spans.append((row, *span))
+                    owners.append((state, span[1]))
+        return spans, owners
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
@@ -228,12 +290,15 @@ class LLMEngine:
         except Exception as exc:  # the device step failed after it was queued
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
+        self._take_context_logits(flight.context_owners, output.context_logits)
+        rows = iter(output.generation_logits if output.generation_logits is not None else ())
         responses = []
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
-            if self.requests.get(state.request_id) is not state:
+            logits = next(rows) if state.outputs.config.return_generation_logits else None
+            if self.requests.get(state.key) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
-                state.accept_token(token, log_prob)
+                state.accept_token(token, log_prob, logits)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue
@@ -243,12 +308,25 @@ class LLMEngine:
                 responses.append(state.response(is_final=False))
         return responses
 
+    def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits) -> None:
+        start = 0
+        for state, count in owners:
+            if self.requests.get(state.key) is state:
+                state.outputs.context_logits.append(logits[start:start + count])
+            start += count
+
     def _finish(self, state: RequestState) -> Response:
+        """Ends one sequence; its request ends with its last sequence."""
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
-        self.requests.pop(state.request_id, None)
-        self.num_completed_requests += 1
-        return state.response(is_final=True)
+        self.requests.pop(state.key, None)
+        is_final = state.is_last_open()
+        if state.group is not None:
+            state.group.num_open -= 1
+            if is_final:
+                self.groups.pop(state.request_id, None)
+        self.num_completed_requests += is_final
+        return state.response(is_final=is_final, is_sequence_final=True)
 
     def _fail(self, batch: SchedulerOutput, message: str) -> list[Response]:
         responses = []
@@ -261,9 +339,16 @@ class LLMEngine:
         return responses
 
     def _fail_request(self, state: RequestState, message: str) -> Response:
-        state.drop_placeholder()
-        self.requests.pop(state.request_id, None)
-        self.scheduler.finish(state.seq)
+        """Fails the whole request (every sequence of it) with one error response."""
+        group = state.group
+        for member in group.members if group is not None else [state]:
+            if self.requests.get(member.key) is member:
+                member.drop_placeholder()
+                self.requests.pop(member.key)
+                self.scheduler.finish(member.seq)
+        if group is not None:
+            group.waiting.clear()
+            self.groups.pop(state.request_id, None)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 
     # ----- statistics ----------------------------------------------------------------------

@@ -77,8 +77,13 @@ def check_against_hf(hf, config, responses, temperature: float = 1.0) -> None:
         assert abs(lp - float(expected[i, token])) <= bound, (i, lp, float(expected[i, token]), bound)
 
 
-def test_greedy_outputs_match_hf(tiny_dir, hf, config):
-    [responses] = run(make_engine(tiny_dir), [request()])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_match_hf(tiny_dir, hf, config, overlap):
+    """Also with overlapped steps (the GPU's protocol, run on the CPU: tokens and logits are
+    read one step late), next to a request that asks for nothing."""
+    engine = make_engine(tiny_dir, enable_overlap_scheduler=overlap)
+    responses, plain = run(engine, [request(), Request(PROMPT[:5], NUM_NEW, end_id=-1)])
+    assert final(plain).result.generation_logits is None and final(plain).result.context_logits is None
     check_against_hf(hf, config, responses)
 
 
@@ -101,10 +106,12 @@ def test_context_logits_whole_with_chunks_and_a_cached_prefix(tiny_dir, hf, conf
     check_against_hf(hf, config, asked)
 
 
-def test_greedy_sequences_share_the_prompt_and_match_hf(tiny_dir, hf, config):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_sequences_share_the_prompt_and_match_hf(tiny_dir, hf, config, overlap):
     """num_return_sequences 3: the other sequences compute only the prompt's partial last
     block (they share its full blocks with the first); all get HF's logits."""
-    engine = make_engine(tiny_dir, kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=4))
+    engine = make_engine(tiny_dir, kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=4),
+                         enable_overlap_scheduler=overlap)
     req = request(sampling=SamplingConfig(num_return_sequences=3), return_generation_logits=True,
                   return_perf_metrics=True, exclude_input_from_output=True)
     [responses] = run(engine, [req])

@@ -38,7 +38,7 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
-from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
+from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_outputs import RequestOutputs
 from inflight.request_state import RequestGroup, RequestState
@@ -364,33 +364,4 @@ class LLMEngine:
         self.last_stats = self.stats()
 
     def stats(self, batch: SchedulerOutput | None = None, latency_ms: float = 0.0) -> IterationStats:
-        bm = self.block_manager
-        batch = batch or SchedulerOutput.make_empty()
-        allocated = bm.num_allocated_blocks + bm.num_reused_blocks
-        return IterationStats(
-            timestamp=IterationStats.now(),
-            iter=self.iteration,
-            iter_latency_ms=latency_ms,
-            num_active_requests=len(self.requests),
-            num_queued_requests=self.scheduler.num_waiting,
-            num_completed_requests=self.num_completed_requests,
-            max_num_active_requests=self.config.max_batch_size,
-            max_batch_size_static=self.config.max_batch_size,
-            max_num_tokens_static=self.config.max_num_tokens,
-            kv_cache_stats=KvCacheStats(
-                max_num_blocks=bm.num_total_blocks, free_num_blocks=bm.num_free_blocks,
-                used_num_blocks=bm.num_used_blocks, tokens_per_block=bm.block_size,
-                alloc_total_blocks=allocated, alloc_new_blocks=bm.num_allocated_blocks,
-                reused_blocks=bm.num_reused_blocks,
-                cache_hit_rate=bm.num_reused_blocks / allocated if allocated else 0.0),
-            inflight_batching_stats=InflightBatchingStats(
-                num_scheduled_requests=len(batch.scheduled),
-                num_context_requests=batch.num_context_requests,
-                num_gen_requests=batch.num_generation_requests,
-                num_paused_requests=len(batch.preempted),
-                num_ctx_tokens=batch.num_context_tokens,
-                num_gen_tokens=batch.num_tokens - batch.num_context_tokens),
-            scheduled_request_ids=[s.seq.request_id for s in batch.scheduled],
-        )
-
-
+        return iteration_stats(self, batch or SchedulerOutput.make_empty(), latency_ms)

@@ -208,7 +208,8 @@ class LLMEngine:
             states = [s for s in group.members if self.requests.get(s.key) is s or s in group.waiting]
             group.waiting.clear()
         else:
-            states = [self.requests[request_id]] if request_id in self.requests else []
+            state = self.requests.get(request_id)  # a request id, not another sequence's key
+            states = [state] if state is not None and state.request_id == request_id else []
         response = None
         for state in states:
             state.finish_reason = FinishReason.CANCELLED

@@ -229,12 +229,25 @@ class Worker:
         hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
         prompt_logits = None
         if step.context_indices is not None:
-            prompt_logits = self.model.compute_logits(hidden.index_select(0, step.context_indices))  # [C, vocab]
+            prompt_logits = self._prompt_logits(hidden, step.context_indices)  # [C, vocab]
         if step.num_sampled == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt_logits
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
         return self.model.compute_logits(hidden), prompt_logits  # [S, vocab]
+
+    def _prompt_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The LM head over `hidden[indices]`: [C, vocab] float32. On CUDA it runs in slices of
+        `max_batch_size` rows (what the warm-up's sampled rows measured), each copied at once
+        into pinned host memory, so a long prompt's logits never sit on the device whole."""
+        if self.device.type != "cuda":
+            return self.model.compute_logits(hidden.index_select(0, indices))
+        num_rows, step = indices.shape[0], self.sampled_ids.shape[0]
+        host = torch.empty((num_rows, self.model_config.vocab_size), dtype=torch.float32, pin_memory=True)
+        for start in range(0, num_rows, step):
+            rows = self.model.compute_logits(hidden.index_select(0, indices[start:start + step]))
+            host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
+        return host
 
     def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
         """Logits hooks, then one token per sampled row (the step's one host wait)."""

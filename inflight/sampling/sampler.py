@@ -108,7 +108,7 @@ class DeviceSample:
     log_probs: torch.Tensor | None  # [S] float32 log prob of each chosen token, or None
     wants_log_probs: list[bool]  # per row
     generation_logits: torch.Tensor | None = None  # [G, vocab] float32
-    context_logits: torch.Tensor | None = None  # [C, vocab] float32
+    context_logits: torch.Tensor | None = None  # [C, vocab] float32 (on CUDA: pinned host, filling)
     _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
     _host_logits: tuple = (None, None)  # pinned copies of (generation_logits, context_logits)
     _ready: object = None  # torch.cuda.Event recorded after the copies
@@ -149,8 +149,8 @@ class DeviceSample:
 
 
 def _pinned_copy(values: torch.Tensor | None) -> torch.Tensor | None:
-    if values is None:
-        return None
+    if values is None or values.device.type == "cpu":  # None, or already copied (pinned)
+        return values
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     return host

@@ -56,3 +56,17 @@ def test_greedy_logits_pick_the_tokens_of_tensorrt_llm(server):
     assert generation.shape == (1, 1, 4, VOCAB)
     assert generation[0, 0].argmax(axis=-1).tolist() == generated
     assert int(context[0, -1].argmax()) == generated[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_sequences_through_the_bls_model(server, stream):
+    values = text_inputs(max_tokens=4, stream=np.array([[stream]]), num_return_sequences=np.array([[2]], np.int32),
+                         top_p=np.array([[0.9]], np.float32), seed=np.array([[9]], np.uint64),
+                         exclude_input_in_output=np.array([[True]]))
+    results, errors, _ = stream_once(server, values, "tensorrt_llm_bls", ["text_output", "sequence_index"])
+    assert not errors, errors
+    texts: dict[int, str] = {}
+    for r in results:
+        index = int(r.as_numpy("sequence_index")[0][0])
+        texts[index] = texts.get(index, "") + r.as_numpy("text_output")[0].decode("utf-8")
+    assert sorted(texts) == [0, 1] and all(texts.values())

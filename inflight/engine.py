@@ -41,7 +41,7 @@ from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_outputs import RequestOutputs
-from inflight.request_state import RequestGroup, RequestState
+from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
 
@@ -60,7 +60,7 @@ class _InFlight:
     states: list[RequestState]  # the sampled rows' requests, in row order
     sample: DeviceSample | SamplerOutput
     # Requests whose prompt logits the step computes, with how many (the worker's spans' order).
-    context_owners: list[tuple[RequestState, int]]
+    context_owners: list[tuple[RequestState, int]] | None = None
 
 
 class LLMEngine:
@@ -81,12 +81,21 @@ class LLMEngine:
                                    self.config.enable_chunked_context)
         self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
         self.groups: dict[int, RequestGroup] = {}  # num_return_sequences > 1, by request id
+        # Requests whose step-time outputs are still due: perf metrics before their first step,
+        # prompt logits before their prompt is computed. Empty for requests asking for neither,
+        # so a step looks at its rows for them only while such a request is pending.
+        self._awaiting_schedule: set[RequestState] = set()
+        self._awaiting_context: set[RequestState] = set()
+        self._num_generation_logit_requests = 0  # live ones: rows are looked at only when > 0
         self._next_request_id = 1
         self.iteration = 0
         self.num_completed_requests = 0
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        # Live requests whose sampling reads their tokens on the host (they make steps
+        # synchronous, and only they can have logits processors): a count, not a scan per step.
+        self._num_host_token_requests = 0
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -145,9 +154,16 @@ class LLMEngine:
         return RequestState(request_id, request, seq, self._make_generator(request, index), bias, outputs,
                             sequence_index=index)
 
-    def admit(self, state: RequestState) -> None:
+    def admit(self, state: RequestState, first: bool = False) -> None:
+        """Queue a sequence (`first`: at the head of the queue)."""
         self.requests[state.key] = state
-        self.scheduler.add(state.seq)
+        self._num_host_token_requests += state.needs_host_tokens
+        self._num_generation_logit_requests += state.request.output_config.return_generation_logits
+        if state.request.output_config.return_perf_metrics:
+            self._awaiting_schedule.add(state)
+        if state.outputs.want_context_logits:
+            self._awaiting_context.add(state)
+        self.scheduler.add(state.seq, first)
         if state.group is not None:
             self.groups[state.request_id] = state.group
 
@@ -155,8 +171,15 @@ class LLMEngine:
         """The first sequence's prompt is computed: queue the others first, so they share its
         prompt blocks while it holds them."""
         for state in reversed(group.take_waiting()):
-            self.requests[state.key] = state
-            self.scheduler.add(state.seq, first=True)
+            self.admit(state, first=True)
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a sequence that is done (finished, cancelled or failed) from the live set."""
+        if self.requests.pop(state.key, None) is not None:
+            self._num_host_token_requests -= state.needs_host_tokens
+            self._num_generation_logit_requests -= state.request.output_config.return_generation_logits
+            self._awaiting_schedule.discard(state)
+            self._awaiting_context.discard(state)
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.vocab_size
@@ -230,19 +253,26 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        scheduled = [self.requests[s.seq.request_id] for s in batch.scheduled]
-        now_ns = time.time_ns()
-        for state in scheduled:
-            state.outputs.on_scheduled(now_ns)
-        states = [st for st, item in zip(scheduled, batch.scheduled) if item.is_sampled]
-        spans, context_owners = self._context_spans(batch, scheduled)
+        requests = self.requests
+        states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        spans = context_owners = None
+        if self._awaiting_schedule or self._awaiting_context:
+            spans, context_owners = self._watch(batch)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
-                    [st.request_id for st in states])
-            # Only a step that computes prompt logits passes them (stand-in workers need not know).
+            rows = [st.sampling_row for st in states]
+            if self._num_host_token_requests:  # only such requests can have logits processors
+                args = (rows, [st.request.logits_processor for st in states],
+                        [st.request_id for st in states])
+            else:
+                args = (rows, None, None)
+            # Only a step with logits to keep passes them (stand-in workers need not know).
             kwargs = {"context_logits": spans} if spans else {}
+            if self._num_generation_logit_requests:
+                keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
+                if keep:
+                    kwargs["generation_logits"] = keep
             sample = (self.worker.launch(batch, *args, **kwargs) if overlap
                       else self.worker.execute(batch, *args, **kwargs))
         except EngineFatalError:
@@ -255,7 +285,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
-                state.add_placeholder(i)
+                state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
             if state.group is not None and state.group.waiting:
                 self._admit_others(state.group)
         self._in_flight = _InFlight(batch, states, sample, context_owners)
@@ -264,22 +294,28 @@ class LLMEngine:
         self._record_stats(batch, time.perf_counter() - start)
         return responses
 
-    @staticmethod
-    def _context_spans(batch: SchedulerOutput, scheduled: list[RequestState]) -> tuple[list, list]:
-        """The worker's `context_logits` spans for this step, and whose they are."""
+    def _watch(self, batch: SchedulerOutput) -> tuple[list, list]:
+        """Stamps first steps (perf metrics) and returns the worker's `context_logits` spans
+        for this step, with whose they are. Runs only while a request awaits either."""
+        now_ns = time.time_ns()
         spans, owners = [], []
-        for row, (state, item) in enumerate(zip(scheduled, batch.scheduled)):
-            if state.outputs.needs_context_logits:
+        for row, item in enumerate(batch.scheduled):
+            state = self.requests[item.seq.request_id]
+            if state in self._awaiting_schedule:
+                state.outputs.first_scheduled_time_ns = now_ns
+                self._awaiting_schedule.discard(state)
+            if state in self._awaiting_context:
                 span = state.outputs.context_span(item.start_position, item.num_new_tokens)
                 if span is not None:
                     spans.append((row, *span))
                     owners.append((state, span[1]))
+                if not state.outputs.needs_context_logits:
+                    self._awaiting_context.discard(state)
         return spans, owners
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        return (getattr(self.worker, "overlap", False)
-                and not any(st.needs_host_tokens for st in self.requests.values()))
+        return getattr(self.worker, "overlap", False) and not self._num_host_token_requests
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""
@@ -291,19 +327,24 @@ class LLMEngine:
         except Exception as exc:  # the device step failed after it was queued
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
-        self._take_context_logits(flight.context_owners, output.context_logits)
-        rows = iter(output.generation_logits if output.generation_logits is not None else ())
+        if flight.context_owners:
+            self._take_context_logits(flight.context_owners, output.context_logits)
+        # Rows of the sampled rows that asked for their logits, in order (None: none asked).
+        logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
         responses = []
+        live, not_finished = self.requests, FinishReason.NOT_FINISHED
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
-            logits = next(rows) if state.outputs.config.return_generation_logits else None
-            if self.requests.get(state.key) is not state:
+            logits = None
+            if logit_rows is not None and state.outputs.config.return_generation_logits:
+                logits = next(logit_rows)
+            if live.get(state.key) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob, logits)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue
-            if state.finish_reason is not FinishReason.NOT_FINISHED:
+            if state.finish_reason is not not_finished:
                 responses.append(self._finish(state))
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
@@ -320,7 +361,7 @@ class LLMEngine:
         """Ends one sequence; its request ends with its last sequence."""
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
-        self.requests.pop(state.key, None)
+        self._forget(state)
         is_final = state.is_last_open()
         if state.group is not None:
             state.group.num_open -= 1
@@ -345,7 +386,7 @@ class LLMEngine:
         for member in group.members if group is not None else [state]:
             if self.requests.get(member.key) is member:
                 member.drop_placeholder()
-                self.requests.pop(member.key)
+                self._forget(member)
                 self.scheduler.finish(member.seq)
         if group is not None:
             group.waiting.clear()

@@ -41,6 +41,12 @@ class RequestOutputs:
     num_sent_generation_logits: int = 0
     is_context_logits_sent: bool = False
 
+    def __post_init__(self) -> None:
+        config = self.config
+        # Fixed for the request's life; read per token and per response.
+        self.tracks_tokens = config.return_perf_metrics or config.return_generation_logits
+        self.is_asked = self.tracks_tokens or self.want_context_logits
+
     @property
     def needs_context_logits(self) -> bool:
         return self.want_context_logits and self.num_context_logits_scheduled < self.num_prompt_tokens
@@ -54,10 +60,6 @@ class RequestOutputs:
             return None
         self.num_context_logits_scheduled = end
         return start - start_position, end - start
-
-    def on_scheduled(self, now_ns: int) -> None:
-        if not self.first_scheduled_time_ns:
-            self.first_scheduled_time_ns = now_ns
 
     def on_token(self, generation_logits: torch.Tensor | None) -> None:
         """A sampled token arrived on the host (end_id included), with its step's raw logits."""

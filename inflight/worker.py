@@ -37,6 +37,7 @@ from inflight.model.attention import (AttentionLimits, StepMetadata, attention_b
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
                                resolve_dtype, to_device, uses_cuda_graphs)
+from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class StepInput:
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
     context_indices: torch.Tensor | None = None  # [C] int64: tokens of the step whose logits to keep
+    generation_rows: list[int] | None = None  # sampled rows whose raw logits to keep
 
     @property
     def num_sampled(self) -> int:
@@ -124,6 +126,8 @@ class Worker:
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.graph_runner is not None:
             self._capture_graphs(explicit=perf.cuda_graph_mode is True)
+        if self.device.type == "cuda" and backend_name == "triton":
+            precompile(self)  # every kernel variant a step can need: no JIT stall mid-serving
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
                     "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
@@ -146,37 +150,40 @@ class Worker:
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
                 hooks: list[LogitsHook | None] | None = None,
                 request_ids: list[int] | None = None,
-                context_logits: list[ContextSpan] | None = None) -> SamplerOutput:
+                context_logits: list[ContextSpan] | None = None,
+                generation_logits: list[int] | None = None) -> SamplerOutput:
         """Compute the scheduled tokens and sample one token per `is_sampled` row.
 
         `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order. The
-        output also carries the raw logits of the rows with `return_generation_logits` and
-        of the `context_logits` spans' tokens (see `SamplerOutput`); without them, nothing is
-        computed or copied beyond the sampled rows' tokens.
+        output also carries the raw logits of the `generation_logits` sampled rows and of the
+        `context_logits` spans' tokens (see `SamplerOutput`); without them, nothing is
+        computed, copied or even looked at beyond the sampled rows' tokens.
         """
-        return self.launch(batch, rows, hooks, request_ids, context_logits).result()
+        return self.launch(batch, rows, hooks, request_ids, context_logits, generation_logits).result()
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
                hooks: list[LogitsHook | None] | None = None,
                request_ids: list[int] | None = None,
-               context_logits: list[ContextSpan] | None = None) -> DeviceSample:
+               context_logits: list[ContextSpan] | None = None,
+               generation_logits: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
-        step = self.prepare_inputs(batch, rows, hooks, request_ids, context_logits)
+        step = self.prepare_inputs(batch, rows, hooks, request_ids, context_logits, generation_logits)
         logits, prompt_logits = self.forward(step)
         return self.sample_on_device(logits, step, prompt_logits)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
                        hooks: list[LogitsHook | None] | None = None,
                        request_ids: list[int] | None = None,
-                       context_logits: list[ContextSpan] | None = None) -> StepInput:
+                       context_logits: list[ContextSpan] | None = None,
+                       generation_logits: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
-        num_sampled = sum(1 for item in batch.scheduled if item.is_sampled)
+        num_sampled = batch.num_sampled
         if num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
         if not context_logits and self._fits_graph(batch):
             graph_step = self.graph_runner.stage_decode(batch.scheduled)
-            return StepInput(None, None, graph_step, rows, hooks, request_ids)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
         input_ids: list[int] = []
         row_starts: list[int] = []  # each row's first token in input_ids
         sampled_rows: list[int] = []
@@ -204,13 +211,13 @@ class Worker:
             flat = [row_starts[row] + offset + j for row, offset, count in context_logits for j in range(count)]
             context_indices = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
         return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
-                         context_indices)
+                         context_indices, generation_logits)
 
     def _fits_graph(self, batch: SchedulerOutput) -> bool:
         """A decode step (one new token per row, every row sampled) within the captured sizes."""
         runner = self.graph_runner
         return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
-                and all(item.num_new_tokens == 1 and item.is_sampled for item in batch.scheduled))
+                and batch.is_decode_only)
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
@@ -261,12 +268,11 @@ class Worker:
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceSample(empty, None, [], context_logits=prompt_logits).start_copy()
-        keep = [i for i, row in enumerate(step.sampling_rows) if row.return_generation_logits]
-        # Raw rows, before hooks and the sampler touch them; a copy, so a graph's static
-        # logits buffer may be overwritten by the next replay.
         kept = None
-        if keep:
-            kept = logits.index_select(0, to_device(torch.tensor(keep, dtype=torch.int64), self.device))
+        if step.generation_rows:  # raw, before hooks and the sampler; a copy (a graph's static
+            # logits buffer is overwritten by the next replay)
+            rows = to_device(torch.tensor(step.generation_rows, dtype=torch.int64), self.device)
+            kept = logits.index_select(0, rows)
         hooks = step.logits_hooks
         if hooks and any(hooks):
             for i, hook in enumerate(hooks):

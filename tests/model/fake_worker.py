@@ -51,7 +51,7 @@ class FakeWorker:
         self.num_steps = 0
 
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow], hooks=None,
-                request_ids=None, context_logits=None) -> SamplerOutput:
+                request_ids=None, context_logits=None, generation_logits=None) -> SamplerOutput:
         self.num_steps += 1
         sampled = []
         for item in batch.scheduled:
@@ -68,8 +68,7 @@ class FakeWorker:
         if not sampled:
             return SamplerOutput(token_ids=[], log_probs=[], context_logits=prompt_logits)
         logits = torch.stack(sampled)  # [num_sampled, vocab]
-        keep = [i for i, row in enumerate(rows) if row.return_generation_logits]
-        kept = logits[keep].clone() if keep else None
+        kept = logits[generation_logits].clone() if generation_logits else None
         for i, hook in enumerate(hooks or []):
             if hook is not None:
                 logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])

@@ -87,6 +87,7 @@ class LLMEngine:
         self._awaiting_schedule: set[RequestState] = set()
         self._awaiting_context: set[RequestState] = set()
         self._num_generation_logit_requests = 0  # live ones: rows are looked at only when > 0
+        self._groups_waiting: set[RequestGroup] = set()  # sequences wait for the first's prompt
         self._next_request_id = 1
         self.iteration = 0
         self.num_completed_requests = 0
@@ -166,10 +167,13 @@ class LLMEngine:
         self.scheduler.add(state.seq, first)
         if state.group is not None:
             self.groups[state.request_id] = state.group
+            if state.group.waiting:
+                self._groups_waiting.add(state.group)
 
     def _admit_others(self, group: RequestGroup) -> None:
         """The first sequence's prompt is computed: queue the others first, so they share its
         prompt blocks while it holds them."""
+        self._groups_waiting.discard(group)
         for state in reversed(group.take_waiting()):
             self.admit(state, first=True)
 
@@ -230,6 +234,7 @@ class LLMEngine:
         if group is not None:
             states = [s for s in group.members if self.requests.get(s.key) is s or s in group.waiting]
             group.waiting.clear()
+            self._groups_waiting.discard(group)
         else:
             state = self.requests.get(request_id)  # a request id, not another sequence's key
             states = [state] if state is not None and state.request_id == request_id else []
@@ -286,8 +291,10 @@ class LLMEngine:
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
                 state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
-            if state.group is not None and state.group.waiting:
-                self._admit_others(state.group)
+        if self._groups_waiting:  # a first sequence sampled: its prompt is computed
+            for state in states:
+                if state.group in self._groups_waiting:
+                    self._admit_others(state.group)
         self._in_flight = _InFlight(batch, states, sample, context_owners)
         if not overlap:
             responses += self._drain()
@@ -390,6 +397,7 @@ class LLMEngine:
                 self.scheduler.finish(member.seq)
         if group is not None:
             group.waiting.clear()
+            self._groups_waiting.discard(group)
             self.groups.pop(state.request_id, None)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 

@@ -56,10 +56,10 @@ class RequestState:
     sequence_index: int = 0
     group: RequestGroup | None = None  # num_return_sequences > 1
 
-    @property
-    def key(self) -> int:
-        """This sequence's id in the engine and the scheduler (the request id for the first)."""
-        return self.seq.request_id
+    def __post_init__(self) -> None:
+        # This sequence's id in the engine and the scheduler (the request id for the first);
+        # an attribute, not a property: it is read per row per step.
+        self.key = self.seq.request_id
 
     def is_last_open(self) -> bool:
         """Whether finishing this sequence ends its request."""

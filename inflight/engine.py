@@ -19,8 +19,13 @@ work hides behind the GPU's. The protocol:
 A row that finished at N-1 but was computed in N has its N token discarded; nothing it
 produced after its finish is ever sent. Streamed chunks and final outputs are the
 synchronous engine's; they leave one step later. Requests whose sampling reads earlier tokens
-on the host (`RequestState.needs_host_tokens`) make the engine step synchronously while they
-are live; so does the CPU by default.
+on the host (`RequestState.needs_host_tokens`: logits processors, penalties, multi-token bad
+words, guided decoding) make the engine step synchronously while they are live; so does the CPU
+by default.
+
+Guided decoding (`ExecutorConfig.guided_decoding_config`): `prepare` compiles the request's guide
+(cached, `inflight.sampling.grammar`) and gives it a grammar matcher, which accepts each token as
+it arrives; the sampler masks the logits with the matcher's next-token mask.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
+from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_outputs import RequestOutputs
 from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -94,6 +101,7 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        self.grammars = self._grammar_compiler()
         # Live requests whose sampling reads their tokens on the host (they make steps
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self._num_host_token_requests = 0
@@ -107,6 +115,14 @@ class LLMEngine:
         tensors instead of the folder's files (benchmarks; see `Worker`)."""
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
+
+    def _grammar_compiler(self):
+        guided = self.config.guided_decoding_config
+        if guided is None:
+            return None
+        from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
+
+        return GrammarCompiler(guided, self.model_config.vocab_size)
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -143,6 +159,25 @@ class LLMEngine:
                 state.group = group
         return first
 
+    def guide(self, request: Request):
+        """A grammar matcher for the request's guide (None without one), its grammar compiled
+        or taken from the cache. Raises RequestError for a guide that does not compile or an
+        engine without guided decoding."""
+        params = request.guided_decoding_params
+        return None if params is None else self._grammar_compiler_for_requests().matcher(params)
+
+    def compile_guide(self, request: Request) -> None:
+        """Compiles the request's guide into the cache now (errors as `guide`): the executor
+        calls this on the caller's thread before taking its lock, so a large schema's compile
+        never holds up the engine loop, and `prepare` finds the grammar in the cache."""
+        if request.guided_decoding_params is not None:
+            self._grammar_compiler_for_requests().compile(request.guided_decoding_params)
+
+    def _grammar_compiler_for_requests(self):
+        if self.grammars is None:
+            raise RequestError(GUIDED_DECODING_OFF)
+        return self.grammars
+
     def _new_state(self, request: Request, request_id: int, key: int, index: int,
                    bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
         """Sequence `index` of a request. Only the first returns the prompt's logits, and it
@@ -153,7 +188,7 @@ class LLMEngine:
                        fork_parent=parent)
         outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
         return RequestState(request_id, request, seq, self._make_generator(request, index), bias, outputs,
-                            sequence_index=index)
+                            guide=self.guide(request), sequence_index=index)
 
     def admit(self, state: RequestState, first: bool = False) -> None:
         """Queue a sequence (`first`: at the head of the queue)."""
@@ -348,6 +383,9 @@ class LLMEngine:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob, logits)
+            except GuideViolation as exc:
+                responses.append(self._fail_request(state, str(exc)))
+                continue
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -50,6 +51,8 @@ class RequestState:
     generator: torch.Generator | None
     embedding_bias: torch.Tensor | None
     outputs: RequestOutputs
+    # Guided decoding: the sequence's grammar matcher (inflight.sampling.grammar.GuideMatcher).
+    guide: Any = None
     log_probs: list[float] = field(default_factory=list)
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
@@ -73,12 +76,13 @@ class RequestState:
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token reads its previous tokens on the host:
         Python logits processors, repetition/presence/frequency penalties (their index lists
-        are built from the token ids) and multi-token bad words (their prefix is matched
-        against the tail). Such requests make steps synchronous. Stop words, stopping
+        are built from the token ids), multi-token bad words (their prefix is matched against
+        the tail) and guided decoding (the grammar matcher must accept the last token before
+        it can fill the next token mask). Such requests make steps synchronous. Stop words, stopping
         criteria, end ids, min_tokens and max_tokens do not: they are checked (or counted)
         when the tokens arrive, exactly, one step later."""
         sc, request = self.sampling, self.request
-        return (request.logits_processor is not None
+        return (request.logits_processor is not None or self.guide is not None
                 or (sc.repetition_penalty or 1.0) != 1.0
                 or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
                 or any(len(word) > 1 for word in request.bad_words or []))
@@ -104,6 +108,7 @@ class RequestState:
             embedding_bias=self.embedding_bias,
             generator=self.generator,
             return_log_probs=self.request.output_config.return_log_probs,
+            guide=self.guide,
         )
 
     # ----- tokens in -----------------------------------------------------------------------
@@ -117,9 +122,11 @@ class RequestState:
 
     def accept_token(self, token: int, log_prob: float | None,
                      generation_logits: torch.Tensor | None = None) -> None:
-        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
-        is never part of the output), and the stop conditions are checked. A failing user
-        `stopping_criteria` raises. (Runs once per row per step: kept to a few list ops.)"""
+        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, or
+        at a stop token that ends the request's grammar: neither is ever part of the output),
+        and the stop conditions are checked. A failing user `stopping_criteria` raises, and so
+        does a token the grammar refuses (`GuideViolation`). (Runs once per row per step: kept
+        to a few list ops.)"""
         if self.outputs.tracks_tokens:  # perf metrics or generation logits asked for
             self.outputs.on_token(generation_logits)
         tokens = self.seq.token_ids
@@ -127,6 +134,9 @@ class RequestState:
             tokens.pop()
         if token == self.request.end_id:  # None never equals a token
             self.finish_reason = FinishReason.END_ID
+            return
+        if self.guide is not None and self.guide.accept(token):
+            self.finish_reason = FinishReason.END_ID  # the grammar ended with a stop token
             return
         tokens.append(token)
         if log_prob is not None:

@@ -38,6 +38,7 @@ class BeamRequestState(RequestState):
     is_beam = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         sc, request = self.sampling, self.request
         end_id = request.end_id if request.end_id is not None and request.end_id >= 0 else None
         self.search = BeamSearch(sc.beam_width, request.max_tokens, sc.length_penalty,
@@ -98,7 +99,7 @@ class BeamRequestState(RequestState):
 
     # ----- responses out -------------------------------------------------------------------
 
-    def response(self, is_final: bool) -> Response:
+    def response(self, is_final: bool, is_sequence_final: bool | None = None) -> Response:
         request = self.request
         num_beams = self.sampling.num_return_sequences or self.sampling.beam_width
         if is_final:

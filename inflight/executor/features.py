@@ -28,7 +28,8 @@ class EngineFeatures:
 
 
 # What `inflight.engine` has today (max_beam_width comes from the ExecutorConfig).
-BUILTIN_FEATURES = EngineFeatures(beam_search=True)
+BUILTIN_FEATURES = EngineFeatures(beam_search=True, multiple_sequences=True, context_logits=True, generation_logits=True,
+                                  perf_metrics=True)
 # TensorRT-LLM does everything itself (and checks it against its own build).
 ALL_FEATURES = EngineFeatures(max_beam_width=1 << 10, beam_search=True, multiple_sequences=True,
                               context_logits=True, generation_logits=True, perf_metrics=True,

@@ -2,9 +2,10 @@
 
 There are no separate prefill and decode phases: every sequence has `num_computed_tokens`
 catching up with `num_tokens`, and each step the scheduler hands out a token budget
-(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first in
-admission order, so decodes are never starved by new prompts; then waiting sequences are admitted
-in FIFO order.
+(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first:
+decodes, then the chunks of prompts still being prefilled, so neither new prompts nor a long one
+being prefilled in chunks ever starve the streams that are generating; then waiting sequences
+are admitted in FIFO order.
 
 Capacity policies (TensorRT-LLM's names):
 - GUARANTEED_NO_EVICT admits a request only when the KV blocks for its whole life
@@ -137,47 +138,48 @@ class Scheduler:
         return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
-        """Schedule running sequences in admission order; return the budget left."""
+        """Schedule running sequences, decodes before prompt chunks; return the budget left.
+
+        Decode rows (one token each) go first, then the chunks of prompts still being
+        prefilled, each in admission order: so a long prompt, chunked under the step's token
+        budget, takes only what the generating streams leave and never delays their next
+        token (TensorRT-LLM's micro-batch scheduler also puts generation requests first).
+        """
         # Tokens per sequence scheduled so far this step, to undo a row whose sequence is
         # preempted later in the same step.
         num_scheduled_tokens: dict[Sequence, int] = {}
-        index = 0
-        while index < len(self.running) and num_budget_tokens > 0:
-            seq = self.running[index]
+        order = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)  # stable
+        for seq in order:
+            if num_budget_tokens <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             if seq.num_generated_tokens >= seq.max_new_tokens:
                 # Its last token is being sampled (an overlapped step): it finishes when that
                 # token arrives and never computes more. (Never seen by synchronous engines.)
-                index += 1
                 continue
             num_new = self._num_new_tokens(seq, num_budget_tokens)
             if num_new == 0:
-                index += 1
                 continue
             num_needed_tokens = seq.num_computed_tokens + num_new
-            preempted_self = False
             while not self.block_manager.can_allocate(seq, num_needed_tokens):
                 if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
                     raise RuntimeError(
                         f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
                         f"admission should have reserved them")
                 victim = max(self.running, key=lambda s: s.arrival_index)
-                victim_index = self.running.index(victim)
                 self._preempt(victim, out)
                 if victim in num_scheduled_tokens:
                     num_budget_tokens += num_scheduled_tokens.pop(victim)
                     out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 if victim is seq:
-                    preempted_self = True
                     break
-                if victim_index < index:
-                    index -= 1
-            if preempted_self:
-                continue  # the next sequence moved into `index`
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # it preempted itself
             self.block_manager.allocate(seq, num_needed_tokens)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             num_scheduled_tokens[seq] = num_new
             num_budget_tokens -= num_new
-            index += 1
         return num_budget_tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:

@@ -40,6 +40,7 @@ from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.platform import default_max_num_tokens
 from inflight.request_state import RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
@@ -72,8 +73,10 @@ class LLMEngine:
         self.model_config = self.worker.model_config
         self.block_manager = BlockManager(self.worker.num_blocks, self.worker.block_size,
                                           self.config.kv_cache_config.enable_block_reuse)
+        self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
+            worker.device, config.enable_chunked_context)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size,
-                                   self.config.max_num_tokens,
+                                   self.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context)
         self.requests: dict[int, RequestState] = {}
@@ -291,7 +294,7 @@ class LLMEngine:
             num_completed_requests=self.num_completed_requests,
             max_num_active_requests=self.config.max_batch_size,
             max_batch_size_static=self.config.max_batch_size,
-            max_num_tokens_static=self.config.max_num_tokens,
+            max_num_tokens_static=self.max_num_tokens,
             kv_cache_stats=KvCacheStats(
                 max_num_blocks=bm.num_total_blocks, free_num_blocks=bm.num_free_blocks,
                 used_num_blocks=bm.num_used_blocks, tokens_per_block=bm.block_size,

@@ -30,7 +30,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smo
 
 def measure(engine: LLMEngine, num_streams: int, prompt_tokens: int, vocab: int) -> dict:
     # Long enough to outlive the prefill: one token per step, one chunk per step.
-    max_tokens = prompt_tokens // engine.config.max_num_tokens + 16
+    max_tokens = prompt_tokens // engine.max_num_tokens + 16
     streams = [engine.add_request(Request([1 + i, 17, 42 + i], max_tokens=max_tokens, streaming=True))
                for i in range(num_streams)]
     last_token_s = {rid: None for rid in streams}

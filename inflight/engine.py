@@ -42,7 +42,7 @@ from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCac
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.platform import default_max_num_tokens
 from inflight.request_state import RequestState
-from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,29 @@ logger = logging.getLogger(__name__)
 
 class EngineFatalError(RuntimeError):
     """The engine cannot go on (its device state is broken); the executor stops for good."""
+
+
+# What a CUDA context that can no longer run kernels says (torch raises these as RuntimeError,
+# or AcceleratorError in newer versions): every later step would fail too.
+_DEVICE_BROKEN = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS",
+                  "cuDNN error", "NCCL error", "unspecified launch failure")
+
+
+def breaks_device(exc: BaseException) -> bool:
+    """Whether `exc` means the device state is broken (fail everything, stop) rather than one
+    step's requests being bad (fail them, carry on). Out of memory is not: it passes."""
+    if isinstance(exc, EngineFatalError):
+        return True
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _DEVICE_BROKEN)
+
+
+def _fatal(exc: BaseException) -> EngineFatalError:
+    return exc if isinstance(exc, EngineFatalError) else EngineFatalError(f"{type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -199,9 +222,9 @@ class LLMEngine:
             args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
                     [st.request_id for st in states])
             sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
-        except EngineFatalError:
-            raise
         except Exception as exc:  # a failed step fails its requests, not the engine
+            if breaks_device(exc):
+                raise _fatal(exc) from exc
             logger.exception("engine step %d failed", self.iteration)
             responses += self._drain()  # the previous step's tokens are still good
             return responses + self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
@@ -229,22 +252,43 @@ class LLMEngine:
         try:
             output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
         except Exception as exc:  # the device step failed after it was queued
+            if breaks_device(exc):
+                raise _fatal(exc) from exc
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses = []
-        for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
+        for row, (state, token, log_prob) in enumerate(zip(flight.states, output.token_ids,
+                                                            output.log_probs)):
             if self.requests.get(state.request_id) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
+            reason = self._bad_token(row, token, output)
+            if reason:  # this request's sampling broke; the others in the step carry on
+                responses.append(self._fail_request(state, reason))
+                continue
             try:
                 state.accept_token(token, log_prob)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
-                responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
+                responses.append(self._fail_request(state, f"stopping criteria failed: "
+                                                           f"{type(exc).__name__}: {exc}"))
                 continue
             if state.finish_reason is not FinishReason.NOT_FINISHED:
                 responses.append(self._finish(state))
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
         return responses
+
+    def _bad_token(self, row: int, token: int, output: SamplerOutput) -> str | None:
+        """Why row `row`'s sampled token cannot be used, or None."""
+        if row in output.errors:
+            return output.errors[row]
+        if token == INVALID_TOKEN:
+            return ("sampling failed for this request: its logits were NaN or every token was "
+                    "banned (check temperature, repetition/presence/frequency penalties, "
+                    "embedding_bias, bad_words and min_tokens)")
+        if not 0 <= token < self.model_config.vocab_size:
+            return (f"the model produced token id {token}, outside its vocabulary of "
+                    f"{self.model_config.vocab_size} tokens (a broken checkpoint?)")
+        return None
 
     def _finish(self, state: RequestState) -> Response:
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent

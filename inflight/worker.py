@@ -37,7 +37,7 @@ from inflight.model.attention import (AttentionLimits, StepMetadata, attention_b
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, default_max_num_tokens,
                                overlaps_steps, resolve_device, resolve_dtype, uses_cuda_graphs)
-from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
+from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +224,13 @@ class Worker:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceSample(empty, None, [])
         hooks = step.logits_hooks
-        if hooks and any(hooks):
-            for i, hook in enumerate(hooks):
-                if hook is not None:
-                    logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
+        errors = apply_logits_hooks(logits, hooks, step.request_ids, step.sampling_rows) \
+            if hooks and any(hooks) else {}
         sample = self.sampler.sample_on_device(logits, step.sampling_rows)
-        if self.overlap:  # the next step may read them before the host has
-            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        sample.errors = errors
+        if self.overlap:  # the next step may read them before the host has; a failed row's
+            # INVALID_TOKEN must never reach the embedding (its request is failed anyway)
+            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
         return sample.start_copy()
 
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
 from inflight.model.config import ModelConfig
-from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
 
 VOCAB = 512
 EOS = 2
@@ -63,7 +63,7 @@ class FakeWorker:
         if not sampled:
             return SamplerOutput(token_ids=[], log_probs=[])
         logits = torch.stack(sampled)  # [num_sampled, vocab]
-        for i, hook in enumerate(hooks or []):
-            if hook is not None:
-                logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])
-        return self.sampler.sample(logits, rows)
+        errors = apply_logits_hooks(logits, hooks, request_ids, rows)
+        output = self.sampler.sample(logits, rows)
+        output.errors = errors
+        return output

@@ -175,6 +175,11 @@ class LLMEngine:
         bias = request.embedding_bias
         if bias is not None and len(bias) not in (0, vocab):
             raise RequestError(f"embedding_bias has {len(bias)} entries; expected {vocab} (the vocabulary size)")
+        if bias is not None and len(bias):
+            values = torch.as_tensor(bias, dtype=torch.float32)
+            if bool(values.isnan().any() or values.isposinf().any()):
+                raise RequestError("embedding_bias (the ensemble's embedding_bias_weights) holds NaN or "
+                                   "+inf; it must be finite (or -inf to ban a token)")
 
     def _make_generator(self, request: Request) -> torch.Generator | None:
         if request.sampling_config.is_greedy:

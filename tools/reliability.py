@@ -1,0 +1,250 @@
+"""Reliability figures of a real server, in one run (`make reliability`).
+
+    python tools/reliability.py [--model DIR] [--skip-crashers]
+
+Starts its own tritonserver (the default model behind the ensemble) and prints:
+1. malformed requests: each of the `tools/reliability_cases.py` cases is sent while 4 good
+   greedy streams run; per case the outcome is `clear` (an error naming the input or rule),
+   `vague` (an error that does not), `accepted` (no error), `hang` (no end within 15 s) or
+   `crash` (the server stopped answering). The good streams must end with exactly the text they
+   give alone;
+2. cancellations: streams cancelled mid-way over gRPC, then the KV blocks and requests left;
+3. fault isolation: a request whose sampling breaks (NaN) next to good streams;
+4. drain: the launcher's drain with streams in flight, and how long it took;
+5. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON,
+   a huge claimed shape), each against the server that is left; whether it survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+from reliability_cases import CASES, Case  # noqa: E402
+from tests.e2e.server import collect, launch_triton_server, running_server  # noqa: E402
+
+GOOD = {"text_input": "Write a short poem about the sea.", "max_tokens": 48, "stream": True,
+        "apply_chat_template": True, "exclude_input_in_output": True}
+CASE_TIMEOUT_S = 15.0
+
+
+def send_case(server, case: Case) -> tuple[str, str]:
+    """(outcome, message) for one malformed request."""
+    try:
+        if case.protocol == "http":
+            message = _http_error(server, case)
+        else:
+            result = _grpc(server, case)
+            message = result.error
+    except TimeoutError:
+        return ("crash" if launch_triton_server.health("127.0.0.1", server.http_port) is None
+                else "hang"), ""
+    if launch_triton_server.health("127.0.0.1", server.http_port) is None:
+        return "crash", message or ""
+    if message is None:
+        return "accepted", ""
+    return ("clear" if any(k.lower() in message.lower() for k in case.expect) else "vague"), message
+
+
+def _grpc(server, case: Case):
+    import queue
+
+    client, results = server.open_stream()
+    try:
+        server.send(client, case.values, case.model)
+        try:
+            return collect(results, CASE_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError from None
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _http_error(server, case: Case) -> str | None:
+    body = case.raw if case.raw is not None else json.dumps(case.values).encode()
+    path = f"/v2/models/{case.model}/{case.http_path}"
+    request = urllib.request.Request(server.http_url + path, data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=CASE_TIMEOUT_S) as reply:
+            text = reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read().decode(errors='replace')}"
+    except (TimeoutError, urllib.error.URLError) as exc:
+        if "timed out" in str(exc) or isinstance(exc, TimeoutError):
+            raise TimeoutError from None
+        return None if launch_triton_server.health("127.0.0.1", server.http_port) else str(exc)
+    errors = [line for line in text.splitlines() if '"error"' in line]
+    return errors[0] if errors else None
+
+
+def good_streams(server, reference: str, stop: threading.Event) -> list[str]:
+    """Runs 4 good streams back to back until `stop`; returns one line per wrong or failed one."""
+    problems, count = [], Counter()
+
+    def loop(index):
+        while not stop.is_set():
+            result = server.stream(GOOD, timeout_s=300)
+            count["done"] += 1
+            if result.error or result.text != reference:
+                problems.append(f"stream {index}: error={result.error} text={result.text[:60]!r}")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(loop, range(4)))
+    problems.append(f"{count['done']} good streams finished")
+    return problems
+
+
+def run_cases(server) -> dict:
+    reference = server.stream(GOOD).text
+    stop = threading.Event()
+    outcomes = []
+    with ThreadPoolExecutor(1) as pool:
+        streams = pool.submit(good_streams, server, reference, stop)
+        for case in CASES:
+            outcome, message = send_case(server, case)
+            outcomes.append((case, outcome, message))
+            if outcome == "crash":
+                break
+        stop.set()
+        stream_report = streams.result()
+    return {"outcomes": outcomes, "streams": stream_report}
+
+
+def run_cancels(server, num_streams: int = 16) -> dict:
+    def one(index):
+        client, results = server.open_stream()
+        server.send(client, {"text_input": f"Tell me a long story about {index}.", "max_tokens": 400,
+                             "stream": True})
+        results.get(timeout=120)  # it is generating
+        time.sleep(0.05 * (index % 5))
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(num_streams)))
+    metrics = server.wait_idle(timeout_s=30)
+    kv = "nv_trt_llm_kv_cache_block_metrics"
+    return {"cancelled": num_streams,
+            "leaked_blocks": int(metrics[(kv, "max")] - metrics[(kv, "free")]),
+            "active_after": int(metrics[("nv_trt_llm_request_metrics", "active")])}
+
+
+def run_fault_isolation(server) -> dict:
+    reference = server.stream(GOOD).text
+    nan_request = {"text_input": "Hello there, how are you?", "max_tokens": 16, "stream": True,
+                   "repetition_penalty": 1e-45, "top_p": 0.9, "temperature": 1.0}
+    with ThreadPoolExecutor(3) as pool:
+        goods = [pool.submit(server.stream, GOOD) for _ in range(2)]
+        bad = pool.submit(server.stream, nan_request).result()
+        good_ok = sum(f.result().error is None and f.result().text == reference for f in goods)
+    return {"faulty_failed_alone": bad.error is not None, "faulty_error": bad.error,
+            "good_streams_right": f"{good_ok}/2"}
+
+
+def run_crashers(server) -> list[tuple[str, str]]:
+    """Issue 13's Triton-level crashers, last: each may take the server down."""
+    deep = b"{\"text_input\": " + b"[" * 50000 + b"]" * 50000 + b", \"max_tokens\": 4}"
+    huge = json.dumps({"inputs": [{"name": "QUERY", "shape": [1, 1099511627776], "datatype": "BYTES",
+                                   "data": ["x"]}]}).encode()
+    results = []
+    for name, path, body in (("nested JSON, 50,000 levels", "/v2/models/ensemble/generate", deep),
+                             ("shape [1, 2^40]", "/v2/models/preprocessing/infer", huge)):
+        request = urllib.request.Request(server.http_url + path, data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                answer = f"HTTP {reply.status}"
+        except urllib.error.HTTPError as exc:
+            answer = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:100]}"
+        except Exception as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        time.sleep(2)
+        alive = launch_triton_server.health("127.0.0.1", server.http_port) is not None
+        results.append((name, f"{'server lives' if alive else 'SERVER DIED'} ({answer})"))
+        if not alive:
+            break
+    return results
+
+
+def print_report(cases: dict, cancels: dict, faults: dict, drain: dict, crashers) -> None:
+    outcomes = cases["outcomes"]
+    counts = Counter(o for _, o, _ in outcomes)
+    by_protocol = Counter(c.protocol for c, _, _ in outcomes)
+    print(f"\nmalformed requests: {len(outcomes)} tried ({by_protocol['http']} HTTP, "
+          f"{by_protocol['grpc']} gRPC): {counts['clear']} clear errors, {counts['vague']} vague, "
+          f"{counts['accepted']} accepted, {counts['hang']} hangs, {counts['crash']} crashes")
+    for case, outcome, message in outcomes:
+        if outcome != "clear":
+            print(f"  {outcome:8} {case.protocol:4} {case.name}: {message[:150]}")
+    print("good streams meanwhile: " + "; ".join(cases["streams"]))
+    print(f"cancellations: {cancels['cancelled']} cancelled, {cancels['leaked_blocks']} KV blocks "
+          f"leaked, {cancels['active_after']} requests left active")
+    print(f"fault isolation: faulty request failed alone: {faults['faulty_failed_alone']} "
+          f"({(faults['faulty_error'] or '')[:100]}); good streams right: {faults['good_streams_right']}")
+    print(f"drain: {drain}")
+    for name, result in crashers or []:
+        print(f"crasher {name}: {result}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--work-dir", default=str(REPO_ROOT / ".cache" / "reliability"))
+    parser.add_argument("--skip-crashers", action="store_true")
+    args = parser.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    with running_server(Path(args.model), work) as server:
+        print("server ready; sending malformed requests", flush=True)
+        cases = run_cases(server)
+        cancels = run_cancels(server)
+        faults = run_fault_isolation(server)
+        drain = run_drain(server)
+        crashers = None if args.skip_crashers else run_crashers(server)
+    print_report(cases, cancels, faults, drain, crashers)
+    return 0
+
+
+def run_drain(server) -> dict:
+    """Streams in flight, then the launcher's drain (as on SIGTERM) with a 3 s grace period."""
+    import types
+
+    launched = types.SimpleNamespace(auth=launch_triton_server_auth(server))
+    args = types.SimpleNamespace(host="127.0.0.1", grpc_port=server.grpc_port, exit_timeout=3.0,
+                                 tensorrt_llm_model_name="tensorrt_llm")
+    short = {**GOOD, "max_tokens": 8}
+    longs = {**GOOD, "max_tokens": 1000, "min_tokens": 1000}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(server.stream, v) for v in (short, short, longs, longs)]
+        time.sleep(3)
+        start = time.monotonic()
+        ok = launch_triton_server.drain(launched, args, threading.Event())
+        seconds = time.monotonic() - start
+        results = [f.result() for f in futures]
+    return {"drained": ok, "drain_s": round(seconds, 2), "grace_s": 3.0,
+            "finished": sum(r.error is None for r in results),
+            "ended_with_shutdown_error": sum("shutting down" in (r.error or "") for r in results)}
+
+
+def launch_triton_server_auth(server):
+    from ensemble.control import ControlAuth
+
+    return ControlAuth(server.control_secret)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

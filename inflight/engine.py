@@ -273,8 +273,7 @@ class LLMEngine:
             try:
                 state.accept_token(token, log_prob)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
-                responses.append(self._fail_request(state, f"stopping criteria failed: "
-                                                           f"{type(exc).__name__}: {exc}"))
+                responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue
             if state.finish_reason is not FinishReason.NOT_FINISHED:
                 responses.append(self._finish(state))

@@ -63,7 +63,7 @@ def raising_criteria(request_id, token_ids):
     (dict(logits_processor=nan_processor), "its logits were NaN or every token was banned"),
     (dict(logits_processor=wrong_shape_processor), "logits processor failed: ValueError: returned"),
     (dict(embedding_bias=[float("-inf")] * VOCAB), "its logits were NaN or every token was banned"),
-    (dict(stopping_criteria=raising_criteria), "stopping criteria failed: KeyError"),
+    (dict(stopping_criteria=raising_criteria), "stopping criteria failed: 'stop-word check bug'"),
 ])
 def test_one_faulty_request_fails_alone(solo, fault, error):
     engine = make_engine()

@@ -56,6 +56,10 @@ class TritonPythonModel:
             except InputError as exc:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as exc:  # one odd request must not fail the rest of the batch
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"preprocessing could not read this request: {type(exc).__name__}: {exc}",
+                    pb_utils.TritonError.INVALID_ARG)))
         return responses
 
     def _input(self, request, name):

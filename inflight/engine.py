@@ -286,8 +286,8 @@ class LLMEngine:
         if row in output.errors:
             return output.errors[row]
         if token == INVALID_TOKEN:
-            return ("sampling failed for this request: its logits were NaN or every token was "
-                    "banned (check temperature, repetition/presence/frequency penalties, "
+            return ("sampling failed for this request: its logits became NaN or infinite, or every "
+                    "token was banned (check repetition/presence/frequency penalties, "
                     "embedding_bias, bad_words and min_tokens)")
         if not 0 <= token < self.model_config.vocab_size:
             return (f"the model produced token id {token}, outside its vocabulary of "

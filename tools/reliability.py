@@ -9,10 +9,11 @@ Starts its own tritonserver (the default model behind the ensemble) and prints:
    `crash` (the server stopped answering). The good streams must end with exactly the text they
    give alone;
 2. cancellations: streams cancelled mid-way over gRPC, then the KV blocks and requests left;
-3. fault isolation: a request whose sampling breaks (NaN) next to good streams;
-4. drain: the launcher's drain with streams in flight, and how long it took;
-5. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON,
-   a huge claimed shape), each against the server that is left; whether it survived.
+3. fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
+   its logits) next to good streams;
+4. drain (last): the launcher's drain with streams in flight, and how long it took;
+5. unless --skip-crashers, after the figures above and before the drain: the Triton-level
+   crashers of issue 13 (deeply nested JSON, a huge claimed shape); whether the server survived.
 """
 
 from __future__ import annotations
@@ -158,8 +159,9 @@ def run_fault_isolation(server) -> dict:
 def run_crashers(server) -> list[tuple[str, str]]:
     """Issue 13's Triton-level crashers, last: each may take the server down."""
     deep = b"{\"text_input\": " + b"[" * 50000 + b"]" * 50000 + b", \"max_tokens\": 4}"
-    huge = json.dumps({"inputs": [{"name": "QUERY", "shape": [1, 1099511627776], "datatype": "BYTES",
-                                   "data": ["x"]}]}).encode()
+    huge = json.dumps({"inputs": [
+        {"name": "QUERY", "shape": [1, 1099511627776], "datatype": "BYTES", "data": ["x"]},
+        {"name": "REQUEST_OUTPUT_LEN", "shape": [1, 1], "datatype": "INT32", "data": [4]}]}).encode()
     results = []
     for name, path, body in (("nested JSON, 50,000 levels", "/v2/models/ensemble/generate", deep),
                              ("shape [1, 2^40]", "/v2/models/preprocessing/infer", huge)):
@@ -213,8 +215,11 @@ def main(argv=None) -> int:
         cases = run_cases(server)
         cancels = run_cancels(server)
         faults = run_fault_isolation(server)
-        drain = run_drain(server)
+        # The crashers go after every other figure but before the drain, which unloads the
+        # ensemble; a crash ends the run there.
         crashers = None if args.skip_crashers else run_crashers(server)
+        alive = launch_triton_server.health("127.0.0.1", server.http_port) is not None
+        drain = run_drain(server) if alive else {"drained": "not run: the server died"}
     print_report(cases, cancels, faults, drain, crashers)
     return 0
 

@@ -11,8 +11,8 @@ Processing order for each row (all rows processed together as [S, vocab] tensors
   5. greedy rows: argmax; random rows: / temperature, top-k, top-p, then one draw from the
      row's own generator (exponential race), so a row's token never depends on its neighbours.
 
-A row whose logits hold NaN, or whose every token is banned (-inf), has nothing to sample
-from: it gets the token id `INVALID_TOKEN` instead of an arbitrary one, and the engine fails
+A row whose logits hold NaN or +inf (extreme penalties overflow fp32), or whose every token is
+banned (-inf), has no distribution to sample from: it gets the token id `INVALID_TOKEN` instead of an arbitrary one, and the engine fails
 that request alone (TensorRT-LLM would emit garbage). The flag rides in the sampled ids, so it
 costs no extra transfer. A user logits hook that raises marks its row the same way
 (`apply_logits_hooks`).
@@ -33,7 +33,7 @@ import torch
 from inflight.platform import to_device
 
 _GREEDY_TEMPERATURE = 1e-5
-# Sampled id of a row with nothing to sample from (NaN logits, every token banned).
+# Sampled id of a row with nothing to sample from (NaN or +inf logits, every token banned).
 INVALID_TOKEN = -1
 
 
@@ -179,9 +179,10 @@ def _flat_indices(per_row: list[list[int]], vocab_size: int, device: torch.devic
 
 
 def _flag_invalid(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`tokens` with INVALID_TOKEN where a row of (processed) `logits` has a NaN or no token
-    above -inf. One fused pass over [S, vocab]; no host sync."""
-    usable = ~torch.isnan(logits).any(dim=-1) & (logits > float("-inf")).any(dim=-1)  # [S]
+    """`tokens` with INVALID_TOKEN where a row of (processed) `logits` has a NaN, a +inf or no
+    token above -inf: exactly the rows whose maximum is not finite (amax propagates NaN). One
+    reduction over [S, vocab]; no host sync."""
+    usable = torch.isfinite(logits.amax(dim=-1))  # [S]
     return torch.where(usable, tokens, torch.full_like(tokens, INVALID_TOKEN))
 
 

@@ -49,6 +49,10 @@ def nan_processor(request_id, token_ids, logits):
     return logits * float("nan")
 
 
+def overflowing_processor(request_id, token_ids, logits):
+    return logits * 1e38  # what a repetition penalty of 1e-38 does: +inf (and -inf) logits
+
+
 def wrong_shape_processor(request_id, token_ids, logits):
     return logits[:10]
 
@@ -60,9 +64,10 @@ def raising_criteria(request_id, token_ids):
 @pytest.mark.parametrize("fault, error", [
     (dict(logits_processor=raising_processor),
      "logits processor failed: ZeroDivisionError: processor bug"),
-    (dict(logits_processor=nan_processor), "its logits were NaN or every token was banned"),
+    (dict(logits_processor=nan_processor), "its logits became NaN or infinite, or every token was banned"),
+    (dict(logits_processor=overflowing_processor), "its logits became NaN or infinite"),
     (dict(logits_processor=wrong_shape_processor), "logits processor failed: ValueError: returned"),
-    (dict(embedding_bias=[float("-inf")] * VOCAB), "its logits were NaN or every token was banned"),
+    (dict(embedding_bias=[float("-inf")] * VOCAB), "its logits became NaN or infinite, or every token was banned"),
     (dict(stopping_criteria=raising_criteria), "stopping criteria failed: 'stop-word check bug'"),
 ])
 def test_one_faulty_request_fails_alone(solo, fault, error):

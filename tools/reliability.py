@@ -9,7 +9,8 @@ Starts its own tritonserver (the default model behind the ensemble) and prints:
    `crash` (the server stopped answering). The good streams must end with exactly the text they
    give alone;
 2. cancellations: streams cancelled mid-way over gRPC, then the KV blocks and requests left;
-3. fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
+3. KV exhaustion: 8 long prompts that together exceed the KV cache, and one that never fits;
+   fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
    its logits) next to good streams;
 4. drain (last): the launcher's drain with streams in flight, and how long it took;
 5. unless --skip-crashers, after the figures above and before the drain: the Triton-level
@@ -156,6 +157,32 @@ def run_fault_isolation(server) -> dict:
             "good_streams_right": f"{good_ok}/2"}
 
 
+KV_CACHE_BYTES = 128 << 20  # the suite's server: ~2,900 tokens of SmolLM2-135M's KV cache
+
+
+def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 900) -> dict:
+    """A batch of long prompts that together exceed the KV cache (each fits alone) next to one
+    good stream, and one prompt that can never fit. All must end; how long the batch took."""
+    long_text = " ".join(f"word{i % 97}" for i in range(prompt_words))
+    values = {"text_input": long_text, "max_tokens": 8, "exclude_input_in_output": True}
+    start = time.monotonic()
+    with ThreadPoolExecutor(num_prompts + 1) as pool:
+        good = pool.submit(server.stream, GOOD)
+        batch = [pool.submit(server.stream, {**values, "text_input": f"{i} {long_text}"})
+                 for i in range(num_prompts)]
+        too_long = {**values, "text_input": " ".join([long_text] * 4)}
+        refused_start = time.monotonic()
+        refused = server.stream(too_long, timeout_s=60)
+        refused_s = time.monotonic() - refused_start
+        results = [f.result() for f in batch]
+        batch_s = time.monotonic() - start
+        good_result = good.result()
+    return {"batch": num_prompts, "finished": sum(r.error is None for r in results),
+            "batch_s": round(batch_s, 1), "good_stream_ok": good_result.error is None,
+            "never_fits_error": (refused.error or "ACCEPTED")[:120],
+            "never_fits_s": round(refused_s, 2)}
+
+
 def run_crashers(server) -> list[tuple[str, str]]:
     """Issue 13's Triton-level crashers, last: each may take the server down."""
     deep = b"{\"text_input\": " + b"[" * 50000 + b"]" * 50000 + b", \"max_tokens\": 4}"
@@ -182,7 +209,7 @@ def run_crashers(server) -> list[tuple[str, str]]:
     return results
 
 
-def print_report(cases: dict, cancels: dict, faults: dict, drain: dict, crashers) -> None:
+def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, drain: dict, crashers) -> None:
     outcomes = cases["outcomes"]
     counts = Counter(o for _, o, _ in outcomes)
     by_protocol = Counter(c.protocol for c, _, _ in outcomes)
@@ -197,6 +224,9 @@ def print_report(cases: dict, cancels: dict, faults: dict, drain: dict, crashers
           f"leaked, {cancels['active_after']} requests left active")
     print(f"fault isolation: faulty request failed alone: {faults['faulty_failed_alone']} "
           f"({(faults['faulty_error'] or '')[:100]}); good streams right: {faults['good_streams_right']}")
+    print(f"KV exhaustion: {kv['finished']}/{kv['batch']} long prompts finished in {kv['batch_s']} s "
+          f"(together beyond the cache); good stream meanwhile ok: {kv['good_stream_ok']}; one that "
+          f"can never fit answered in {kv['never_fits_s']} s: {kv['never_fits_error']}")
     print(f"drain: {drain}")
     for name, result in crashers or []:
         print(f"crasher {name}: {result}")
@@ -210,17 +240,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    with running_server(Path(args.model), work) as server:
+    with running_server(Path(args.model), work, kv_cache_cpu_mem_bytes=KV_CACHE_BYTES) as server:
         print("server ready; sending malformed requests", flush=True)
         cases = run_cases(server)
         cancels = run_cancels(server)
         faults = run_fault_isolation(server)
+        kv = run_kv_exhaustion(server)
         # The crashers go after every other figure but before the drain, which unloads the
         # ensemble; a crash ends the run there.
         crashers = None if args.skip_crashers else run_crashers(server)
         alive = launch_triton_server.health("127.0.0.1", server.http_port) is not None
         drain = run_drain(server) if alive else {"drained": "not run: the server died"}
-    print_report(cases, cancels, faults, drain, crashers)
+    print_report(cases, cancels, faults, kv, drain, crashers)
     return 0
 
 

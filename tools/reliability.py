@@ -9,7 +9,8 @@ Starts its own tritonserver (the default model behind the ensemble) and prints:
    `crash` (the server stopped answering). The good streams must end with exactly the text they
    give alone;
 2. cancellations: streams cancelled mid-way over gRPC, then the KV blocks and requests left;
-3. KV exhaustion: 8 long prompts that together exceed the KV cache, and one that never fits;
+3. KV exhaustion: 8 prompts of ~870 tokens that together exceed the 1,456-token KV cache
+   (one fits at a time), and one of ~1,740 that never fits;
    fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
    its logits) next to good streams;
 4. drain (last): the launcher's drain with streams in flight, and how long it took;
@@ -157,10 +158,10 @@ def run_fault_isolation(server) -> dict:
             "good_streams_right": f"{good_ok}/2"}
 
 
-KV_CACHE_BYTES = 128 << 20  # the suite's server: ~2,900 tokens of SmolLM2-135M's KV cache
+KV_CACHE_BYTES = 64 << 20  # the suite's server: 1,456 tokens of SmolLM2-135M's KV cache
 
 
-def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 900) -> dict:
+def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 300) -> dict:
     """A batch of long prompts that together exceed the KV cache (each fits alone) next to one
     good stream, and one prompt that can never fit. All must end; how long the batch took."""
     long_text = " ".join(f"word{i % 97}" for i in range(prompt_words))
@@ -170,7 +171,7 @@ def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 900) -> 
         good = pool.submit(server.stream, GOOD)
         batch = [pool.submit(server.stream, {**values, "text_input": f"{i} {long_text}"})
                  for i in range(num_prompts)]
-        too_long = {**values, "text_input": " ".join([long_text] * 4)}
+        too_long = {**values, "text_input": " ".join([long_text] * 2)}  # ~1,740 tokens
         refused_start = time.monotonic()
         refused = server.stream(too_long, timeout_s=60)
         refused_s = time.monotonic() - refused_start

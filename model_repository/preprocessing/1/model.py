@@ -62,6 +62,9 @@ class TritonPythonModel:
                     pb_utils.TritonError.INVALID_ARG)))
         return responses
 
+    def finalize(self):
+        lifeline.skip_teardown_at_exit()
+
     def _input(self, request, name):
         return pb_utils.get_input_tensor_by_name(request, PREPROCESSING.input(name).name)
 

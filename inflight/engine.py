@@ -317,7 +317,7 @@ class LLMEngine:
             if live.get(state.request_id) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             if errors or not 0 <= token < vocab_size:  # its sampling broke: it fails alone
-                reason = self._bad_token(row, token, output)
+                reason = self._bad_token(row, token, output, state)
                 if reason:
                     responses.append(self._fail_request(state, reason))
                     continue
@@ -335,10 +335,15 @@ class LLMEngine:
                 responses.append(state.response(is_final=False))
         return responses
 
-    def _bad_token(self, row: int, token: int, output: SamplerOutput) -> str | None:
+    def _bad_token(self, row: int, token: int, output: SamplerOutput,
+                   state: RequestState) -> str | None:
         """Why row `row`'s sampled token cannot be used, or None."""
         if row in output.errors:
             return output.errors[row]
+        if token == INVALID_TOKEN and state.request.guided_decoding_params is not None:
+            return ("guided decoding: no token the request's grammar allows has a usable logit "
+                    "(embedding_bias, bad_words or min_tokens banned them all, or the logits "
+                    "became NaN or infinite), so the output cannot follow the request's grammar")
         if token == INVALID_TOKEN:
             return ("sampling failed for this request: its logits became NaN or infinite, or every "
                     "token was banned (check repetition/presence/frequency penalties, "

@@ -2,9 +2,10 @@
 
 There are no separate prefill and decode phases: every sequence has `num_computed_tokens`
 catching up with `num_tokens`, and each step the scheduler hands out a token budget
-(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first in
-admission order, so decodes are never starved by new prompts; then waiting sequences are admitted
-in FIFO order.
+(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first:
+decodes, then the chunks of prompts still being prefilled, so neither new prompts nor a long one
+being prefilled in chunks ever starve the streams that are generating; then waiting sequences
+are admitted in FIFO order.
 
 Capacity policies (TensorRT-LLM's names):
 - GUARANTEED_NO_EVICT admits a request only when the KV blocks for its whole life
@@ -165,55 +166,59 @@ class Scheduler:
         return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
-        """Schedule running sequences in admission order; return the budget left. A beam
-        group's rows (one token per beam) are scheduled together or not at all.
+        """Schedule running sequences, decodes before prompt chunks; return the budget left. A
+        beam group's rows (one token per beam) are scheduled together or not at all.
+
+        Decode rows (one token each) go first, then the chunks of prompts still being
+        prefilled, each in admission order: so a long prompt, chunked under the step's token
+        budget, takes only what the generating streams leave and never delays their next
+        token (TensorRT-LLM's micro-batch scheduler also puts generation requests first).
 
         This loop runs once per running row per step (the engine's hottest host loop at large
         batch), so a row whose blocks already cover its new tokens (31 decode steps of 32 at
         block size 32) never calls into the block manager.
         """
         block_size = self.block_manager.block_size
-        running, scheduled = self.running, out.scheduled
-        index = 0
-        while index < len(running) and num_budget_tokens > 0:
-            seq = running[index]
+        scheduled = out.scheduled  # `_make_room` edits it in place
+        # A copy: `_make_room` may take sequences out of `self.running` while we walk it.
+        order = list(self.running)
+        if any(len(s.token_ids) - s.num_computed_tokens > 1 for s in order):
+            order.sort(key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1)  # stable
+        for seq in order:
+            if num_budget_tokens <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_tokens = len(seq.token_ids)
             if num_tokens - len(seq.prompt_token_ids) >= seq.max_new_tokens:
                 # Its last token is being sampled (an overlapped step): it finishes when that
                 # token arrives and never computes more. (Never seen by synchronous engines.)
-                index += 1
                 continue
             num_uncomputed = num_tokens - seq.num_computed_tokens
             if seq.beam_siblings:
                 num_new, num_freed_tokens = self._schedule_beams(seq, num_uncomputed, num_budget_tokens,
-                                                                 out, index)
-                if num_new == 0:
-                    index += 1
-                    continue
+                                                                 out)
                 num_budget_tokens += num_freed_tokens - num_new
-                index = running.index(seq) + 1  # victims before it may have left
                 continue
             if num_uncomputed == 1:  # a decode row
                 num_new = 1
             else:
                 num_new = self._num_new_tokens(seq, num_budget_tokens)
                 if num_new == 0:
-                    index += 1
                     continue
             num_needed_tokens = seq.num_computed_tokens + num_new
             if num_needed_tokens > len(seq.block_table) * block_size:
-                kept, num_freed_tokens, index = self._make_room(seq, num_needed_tokens, out, index)
+                kept, num_freed_tokens = self._make_room(seq, num_needed_tokens, out)
                 num_budget_tokens += num_freed_tokens
                 if not kept:
-                    continue  # `seq` itself was preempted; the next sequence moved into `index`
+                    continue  # `seq` itself was preempted
                 self.block_manager.allocate(seq, num_needed_tokens)
             scheduled.append(ScheduledSequence(seq, num_new))
             num_budget_tokens -= num_new
-            index += 1
         return num_budget_tokens
 
     def _schedule_beams(self, seq: Sequence, num_uncomputed: int, num_budget_tokens: int,
-                        out: SchedulerOutput, index: int) -> tuple[int, int]:
+                        out: SchedulerOutput) -> tuple[int, int]:
         """Schedules every beam of `seq`'s group for one token. Returns (tokens scheduled, 0
         when the group waits for its re-ranking or for budget; tokens of preempted rows taken
         back out of `out`). Makes room by preempting other requests, never beams (their
@@ -221,17 +226,17 @@ class Scheduler:
         num_new = len(seq.beam_siblings) + 1
         if not num_uncomputed or num_new > num_budget_tokens:
             return 0, 0
-        _, num_freed_tokens, _ = self._make_room(seq, 0, out, index)
+        _, num_freed_tokens = self._make_room(seq, 0, out)
         for beam in seq.group:
             self.block_manager.allocate(beam, beam.num_computed_tokens + 1)
             out.scheduled.append(ScheduledSequence(beam, 1))
         return num_new, num_freed_tokens
 
-    def _make_room(self, seq: Sequence, num_needed_tokens: int, out: SchedulerOutput,
-                   index: int) -> tuple[bool, int, int]:
-        """Preempts the newest running sequences until `seq` (at `running[index]`) can have
-        its blocks (a beam group: every beam its next block). Returns (whether `seq` is still running, tokens of victims' rows taken
-        out of `out` (back into the budget), `seq`'s index now)."""
+    def _make_room(self, seq: Sequence, num_needed_tokens: int,
+                   out: SchedulerOutput) -> tuple[bool, int]:
+        """Preempts the newest running sequences (never beams) until `seq` can have its blocks
+        (a beam group: every beam its next block). Returns (whether `seq` is still running,
+        tokens of victims' rows taken out of `out`, back into the budget)."""
         num_freed_tokens = 0
         while not (self._beams_fit(seq) if seq.beam_siblings else
                    self.block_manager.can_allocate(seq, num_needed_tokens)):
@@ -240,15 +245,12 @@ class Scheduler:
                     f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
                     f"admission should have reserved them")
             victim = self._victim(seq)
-            victim_index = self.running.index(victim)
             self._preempt(victim, out)
             num_freed_tokens += sum(s.num_new_tokens for s in out.scheduled if s.seq is victim)
             out.scheduled[:] = [s for s in out.scheduled if s.seq is not victim]
             if victim is seq:
-                return False, num_freed_tokens, index
-            if victim_index < index:
-                index -= 1
-        return True, num_freed_tokens, index
+                return False, num_freed_tokens
+        return True, num_freed_tokens
 
     def _beams_fit(self, seq: Sequence) -> bool:
         """Whether every beam of `seq`'s group can take its next token."""

@@ -162,17 +162,17 @@ class CudaGraphRunner:
             return self._bucket_of[num_rows]
         return None
 
-    def stage_decode(self, scheduled) -> GraphStep:
-        """`stage` for the scheduler's decode rows (`ScheduledSequence`s of one new token each).
-        A row whose token is a placeholder `-(1 + i)` takes sampled id i of the previous step."""
+    def stage_plan(self, plan) -> GraphStep:
+        """`stage` for a decode `StepPlan` (one new token per row). A row whose token is a
+        placeholder `-(1 + i)` takes sampled id i of the previous step."""
         rows, pending_rows, pending_src = [], [], []
-        for r, item in enumerate(scheduled):
-            token = item.seq.token_ids[item.start_position]
+        for r, (start, tokens, table) in enumerate(zip(plan.starts, plan.tokens, plan.block_tables)):
+            token = tokens[0]
             if token < 0:
                 pending_rows.append(r)
                 pending_src.append(-1 - token)
                 token = 0
-            rows.append((token, item.start_position, item.seq.block_table))
+            rows.append((token, start, table))
         return self.stage(rows, (pending_rows, pending_src))
 
     def stage(self, rows: Sequence[tuple[int, int, Sequence[int]]],

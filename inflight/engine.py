@@ -94,6 +94,12 @@ class LLMEngine:
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
 
+    def close(self) -> None:
+        """Releases what the worker holds outside this process (tensor-parallel ranks)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
     # ----- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> int:

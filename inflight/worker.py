@@ -18,6 +18,12 @@ Start-up on CUDA: load the weights, reserve the backend's buffers and the graphs
 inputs, run one warm-up step at the largest batch against a throw-away one-block cache, size
 the KV cache from what is free after it (`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's
 meaning), then capture the decode graphs, which need the real cache's addresses.
+
+Tensor parallelism (`tensor_parallel_size` > 1): this worker is rank 0 and starts the other
+ranks (`inflight.distributed.launch`). A step is reduced to a plain `StepPlan` on the host,
+sent to the other ranks, and every rank builds the same inputs from it and runs the same
+model step (its shards, the collectives inside); rank 0 alone samples, and with overlapped
+steps broadcasts the sampled ids, which every rank's next step may read on its device.
 """
 
 from __future__ import annotations
@@ -31,13 +37,18 @@ import torch
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
 from inflight.cuda_graph import CudaGraphRunner, GraphStep
+from inflight.distributed.group import TensorParallel
+from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
 from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
                                       resolve_attention_backend)
+from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
+from inflight.model.sharding import check_divisible, shard_config
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
                                resolve_dtype, uses_cuda_graphs)
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
+from inflight.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +64,12 @@ class StepInput:
     metadata: StepMetadata | None  # the step's layout (backend-neutral), with its input ids
     attn_metadata: Any  # the attention backend's metadata for this step (eager)
     graph_step: GraphStep | None  # a decode step staged in a CUDA graph's static inputs
-    sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
+    num_sampled: int  # rows whose logits are computed
+    # One per sampled row, in batch order; None on tensor-parallel ranks other than 0 (they
+    # compute the logits with rank 0 but do not sample).
+    sampling_rows: list[SamplingRow] | None
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.sampling_rows)
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -79,11 +89,30 @@ class Worker:
 
     `weights` (HF name -> tensor, e.g. a random model built on the GPU for a benchmark)
     replaces the checkpoint files; entries are removed as they are loaded.
+    With `config.tensor_parallel_size` > 1 and no `tp`, this is rank 0 and starts the other
+    ranks (`close` stops them); they build their workers with their `tp`.
     """
 
     def __init__(self, model_dir: str, config: ExecutorConfig,
-                 weights: Mapping[str, torch.Tensor] | None = None):
-        self.device = resolve_device(config.device)
+                 weights: Mapping[str, torch.Tensor] | None = None, tp: TensorParallel | None = None):
+        self.ranks = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if weights is not None:
+                raise ValueError("weights handed over in memory need tensor_parallel_size 1; "
+                                 "write them to a folder for tensor parallelism")
+            check_divisible(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
+            tp, self.ranks = start_ranks(model_dir, config)
+        self.tp = tp or TensorParallel.single()
+        try:
+            self._build(model_dir, config, weights)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, model_dir: str, config: ExecutorConfig,
+               weights: Mapping[str, torch.Tensor] | None) -> None:
+        self.device = (rank_device(config, self.tp.rank) if self.tp.is_parallel
+                       else resolve_device(config.device))
         if self.device.type == "cpu":
             apply_cpu_threads()
         perf = config.extended_runtime_perf_knob_config
@@ -93,15 +122,18 @@ class Worker:
             perf.cuda_graph_mode, self.device, attention_backend_class(backend_name).supports_cuda_graphs)
         self.overlap = overlaps_steps(config.enable_overlap_scheduler, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = (load_model(model_dir, self.dtype, self.device, backend_name)
-                                         if weights is None else
-                                         load_model(model_dir, self.dtype, self.device, backend_name,
-                                                    weights=weights))
+        extra = {"weights": weights} if weights is not None else {}
+        if self.tp.is_parallel:
+            extra["tp"] = self.tp
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, backend_name,
+                                                   **extra)
+        # This rank's part of the model: its heads and KV heads (the whole model at tp=1).
+        self.shard_config = shard_config(self.model_config, self.tp.size)
         self.backend = self.model.attention_backend
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.block_size = config.kv_cache_config.tokens_per_block
-        mc = self.model_config
+        mc = self.shard_config
         self.backend.reserve(AttentionLimits(mc.num_attention_heads, mc.num_key_value_heads,
                                              mc.head_dim, config.max_batch_size, self.max_seq_len,
                                              self.device, perf.multi_block_mode))
@@ -119,7 +151,8 @@ class Worker:
         self.num_blocks = self._num_kv_blocks(config, self.peak_step_bytes)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.graph_runner is not None:
-            self._capture_graphs(explicit=perf.cuda_graph_mode is True)
+            # Ranks must agree on graphs or eager (their collectives pair up): no fallback.
+            self._capture_graphs(explicit=perf.cuda_graph_mode is True or self.tp.is_parallel)
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
                     "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
@@ -148,52 +181,68 @@ class Worker:
         """
         return self.launch(batch, rows, hooks, request_ids).result()
 
-    @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
                hooks: list[LogitsHook | None] | None = None,
                request_ids: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
-        step = self.prepare_inputs(batch, rows, hooks, request_ids)
+        plan = self._plan(batch, rows)
+        if self.ranks is not None:  # the other ranks run the same step
+            self.ranks.send_step(plan)
+        return self.run_plan(plan, rows, hooks, request_ids)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, rows: list[SamplingRow] | None = None,
+                 hooks: list[LogitsHook | None] | None = None,
+                 request_ids: list[int] | None = None) -> DeviceSample | None:
+        """prepare inputs -> run model -> sample, from the step's plain plan. `rows` None: a
+        tensor-parallel rank other than 0 (computes with rank 0, samples nothing)."""
+        step = self.inputs_from_plan(plan, rows, hooks, request_ids)
         logits = self.run_model(step)
+        if rows is None:
+            self._share_sampled_ids(step.num_sampled)
+            return None
         return self.sample_on_device(logits, step)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
                        hooks: list[LogitsHook | None] | None = None,
                        request_ids: list[int] | None = None) -> StepInput:
-        """Host work of a step and its one host → device transfer; never syncs."""
-        num_sampled = sum(1 for item in batch.scheduled if item.is_sampled)
-        if num_sampled != len(rows):
-            raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
-        if self._fits_graph(batch):
-            graph_step = self.graph_runner.stage_decode(batch.scheduled)
-            return StepInput(None, None, graph_step, rows, hooks, request_ids)
+        """Host work of a step and its one host -> device transfer; never syncs."""
+        return self.inputs_from_plan(self._plan(batch, rows), rows, hooks, request_ids)
+
+    def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
+        plan = StepPlan.from_batch(batch, self.block_size)
+        if plan.num_sampled != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for {plan.num_sampled} sampled sequences")
+        return plan
+
+    def inputs_from_plan(self, plan: StepPlan, rows: list[SamplingRow] | None,
+                         hooks: list[LogitsHook | None] | None = None,
+                         request_ids: list[int] | None = None) -> StepInput:
+        """The step's device inputs from its plan: a staged CUDA graph step, or the metadata."""
+        num_sampled = plan.num_sampled
+        runner = self.graph_runner
+        if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
+            graph_step = runner.stage_plan(plan)
+            return StepInput(None, None, graph_step, num_sampled, rows, hooks, request_ids)
         input_ids: list[int] = []
-        sampled_rows: list[int] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
-        for i, item in enumerate(batch.scheduled):
-            tokens = item.seq.token_ids[item.start_position:item.context_len]
+        for tokens in plan.tokens:
             if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
                 pending_dst.append(len(input_ids) + len(tokens) - 1)
                 pending_src.append(-1 - tokens[-1])
                 tokens = tokens[:-1] + [0]
             if len(tokens) > 1 and min(tokens) < 0:
-                raise RuntimeError(f"request {item.seq.request_id}: a placeholder token before "
-                                   "its last position")
+                raise RuntimeError("a placeholder token before a row's last position")
             input_ids.extend(tokens)
-            if item.is_sampled:
-                sampled_rows.append(i)
+        sampled_rows = [i for i, sampled in enumerate(plan.sampled) if sampled]
         meta = StepMetadata.build(
-            [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
+            [(start, len(tokens), table)
+             for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],
             self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
             pending=(pending_dst, pending_src) if pending_dst else None)
-        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids)
-
-    def _fits_graph(self, batch: SchedulerOutput) -> bool:
-        """A decode step (one new token per row, every row sampled) within the captured sizes."""
-        runner = self.graph_runner
-        return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
-                and all(item.num_new_tokens == 1 and item.is_sampled for item in batch.scheduled))
+        return StepInput(meta, self.backend.build_metadata(meta), None, num_sampled, rows, hooks,
+                         request_ids)
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
@@ -221,21 +270,35 @@ class Worker:
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceSample(empty, None, [])
-        hooks = step.logits_hooks
-        if hooks and any(hooks):
-            for i, hook in enumerate(hooks):
-                if hook is not None:
-                    logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
-        sample = self.sampler.sample_on_device(logits, step.sampling_rows)
-        if self.overlap:  # the next step may read them before the host has
-            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        try:
+            hooks = step.logits_hooks
+            if hooks and any(hooks):
+                for i, hook in enumerate(hooks):
+                    if hook is not None:
+                        logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
+            sample = self.sampler.sample_on_device(logits, step.sampling_rows)
+            if self.overlap:  # the next step may read them before the host has
+                self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        finally:  # the other ranks wait for this broadcast even when sampling failed
+            self._share_sampled_ids(step.num_sampled)
         return sample.start_copy()
+
+    def _share_sampled_ids(self, num_sampled: int) -> None:
+        """Tensor parallel, overlapped steps: rank 0's sampled ids into every rank's
+        `sampled_ids` (the next step's placeholder tokens read them on the device)."""
+        if self.overlap and self.tp.is_parallel and num_sampled:
+            self.tp.broadcast_from_leader(self.sampled_ids[:num_sampled])
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (rank 0; idempotent). Nothing at tp=1."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:
         kv = config.kv_cache_config
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        bytes_per_block = self.shard_config.kv_bytes_per_token(self.dtype) * self.block_size
         if self.device.type == "cuda":
             budget_bytes = int(cuda_memory_for_kv(self.device, peak_bytes) * kv.free_gpu_memory_fraction)
         else:
@@ -248,7 +311,7 @@ class Worker:
         if num_blocks < 1:
             raise RuntimeError(f"the KV cache budget ({budget_bytes} bytes) holds no block of "
                                f"{bytes_per_block} bytes; raise the memory budget")
-        return int(num_blocks)
+        return self.tp.min_over_ranks(int(num_blocks))  # rank 0 schedules what every rank holds
 
     def _profile_peak_memory(self, config: ExecutorConfig) -> int:
         """Peak bytes allocated on the device while running the largest step (weights included)."""
@@ -291,11 +354,15 @@ class Worker:
                                     generator=torch.Generator(self.device).manual_seed(i),
                                     return_log_probs=True))
         real_caches, runner = self.kv_caches, self.graph_runner
-        self.kv_caches = allocate_kv_caches(self.model_config, 1, self.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.shard_config, 1, self.block_size, self.dtype,
                                             self.device)
         self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:
-            self.execute(SchedulerOutput(scheduled), rows)
+            # Every rank runs its warm-up at once (no step message); rank 0 alone samples.
+            sample = self.run_plan(self._plan(SchedulerOutput(scheduled), rows),
+                                   rows if self.tp.is_leader else None)
+            if sample is not None:
+                sample.result()
         finally:
             self.kv_caches, self.graph_runner = real_caches, runner
 

@@ -125,6 +125,7 @@ class Executor:
             self._responses_ready.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            self.engine.close()
 
     @property
     def is_healthy(self) -> bool:

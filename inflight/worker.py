@@ -113,6 +113,7 @@ class Worker:
                weights: Mapping[str, torch.Tensor] | None) -> None:
         self.device = (rank_device(config, self.tp.rank) if self.tp.is_parallel
                        else resolve_device(config.device))
+        self.bind_thread()
         if self.device.type == "cpu":
             apply_cpu_threads()
         perf = config.extended_runtime_perf_knob_config
@@ -288,6 +289,12 @@ class Worker:
         `sampled_ids` (the next step's placeholder tokens read them on the device)."""
         if self.overlap and self.tp.is_parallel and num_sampled:
             self.tp.broadcast_from_leader(self.sampled_ids[:num_sampled])
+
+    def bind_thread(self) -> None:
+        """Makes this worker's GPU the calling thread's current device (CUDA graphs capture and
+        replay on the current device; with gpu_device_ids rank 0 need not be GPU 0)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (rank 0; idempotent). Nothing at tp=1."""

@@ -135,6 +135,9 @@ class Executor:
 
     def _loop(self) -> None:
         try:
+            bind_thread = getattr(self.engine.worker, "bind_thread", None)
+            if bind_thread is not None:  # the engine's GPU is this thread's current device
+                bind_thread()
             while True:
                 with self._lock:
                     self._wake.wait_for(lambda: self._shutdown or self._pending_cancels

@@ -188,7 +188,11 @@ class Worker:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
         plan = self._plan(batch, rows)
         if self.ranks is not None:  # the other ranks run the same step
-            self.ranks.send_step(plan)
+            try:
+                self.ranks.send_step(plan)
+            except Exception as exc:  # a rank is gone: no step can run any more
+                from inflight.engine import EngineFatalError  # the engine imports this module
+                raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
         return self.run_plan(plan, rows, hooks, request_ids)
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ import transformers
 
 from ensemble.errors import ConfigError
 from inflight.distributed.launch import check_devices
-from inflight.engine import LLMEngine
+from inflight.engine import EngineFatalError, LLMEngine
 from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig
 from inflight.model.config import ModelConfig
 from inflight.model.sharding import Shard, check_divisible, shard_for
@@ -80,6 +80,13 @@ def test_tp2_matches_tp1(tmp_path):
         assert "boom" in final(bad).error_msg
         assert_kv_idle(engine)
         assert _generate(engine)[0] == want_tokens
+        # A rank that dies stops the engine at its next step (no silent hang, no half-served steps).
+        rank1 = engine.worker.ranks.processes[0]
+        rank1.kill()
+        rank1.join()
+        engine.add_request(gen_request(PROMPTS[0], 4))
+        with pytest.raises(EngineFatalError, match="tensor-parallel rank is gone"):
+            engine.step()
     finally:
         engine.close()
     assert not any(p.is_alive() for p in engine.worker.ranks.processes)

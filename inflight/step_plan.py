@@ -32,7 +32,10 @@ class StepPlan:
     starts: list[int]  # first position computed per row
     tokens: list[list[int]]  # the row's new tokens (num_new_tokens of them)
     sampled: list[bool]  # whether the row's last token is sampled
-    block_tables: list[list[int]]  # blocks 0 .. cdiv(start + num_new, block_size) - 1
+    # The row's block table: at least blocks 0 .. cdiv(start + num_new, block_size) - 1 (rank 0
+    # keeps the sequence's own list, which may hold more; `pack` sends only those).
+    block_tables: list[list[int]]
+    block_size: int
 
     @classmethod
     def from_batch(cls, batch: SchedulerOutput, block_size: int) -> "StepPlan":
@@ -41,8 +44,8 @@ class StepPlan:
             starts.append(item.start_position)
             tokens.append(item.seq.token_ids[item.start_position:item.context_len])
             sampled.append(item.is_sampled)
-            tables.append(item.seq.block_table[:_cdiv(item.context_len, block_size)])
-        return cls(starts, tokens, sampled, tables)
+            tables.append(item.seq.block_table)
+        return cls(starts, tokens, sampled, tables, block_size)
 
     @property
     def num_rows(self) -> int:
@@ -56,31 +59,31 @@ class StepPlan:
         """Every row one new token and sampled (the shape CUDA graphs capture)."""
         return all(len(t) == 1 for t in self.tokens) and all(self.sampled)
 
-    # ----- wire format: int64 [3 + 4 B + T + K] --------------------------------------------
-    # header (B, T, K), starts [B], num_new [B], sampled [B], table lengths [B], tokens [T],
-    # block tables [K]
+    # ----- wire format: int64 [4 + 4 B + T + K] --------------------------------------------
+    # header (B, T, K, block_size), starts [B], num_new [B], sampled [B], table lengths [B],
+    # tokens [T], block tables [K]
 
     def pack(self) -> torch.Tensor:
         num_new = [len(t) for t in self.tokens]
-        table_lens = [len(t) for t in self.block_tables]
+        table_lens = [_cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
         b, t, k = self.num_rows, sum(num_new), sum(table_lens)
-        out = np.empty(3 + 4 * b + t + k, dtype=np.int64)
-        out[:3] = (b, t, k)
-        out[3:3 + 4 * b] = np.array([self.starts, num_new, self.sampled, table_lens],
+        out = np.empty(4 + 4 * b + t + k, dtype=np.int64)
+        out[:4] = (b, t, k, self.block_size)
+        out[4:4 + 4 * b] = np.array([self.starts, num_new, self.sampled, table_lens],
                                     dtype=np.int64).reshape(-1)
-        pos = 3 + 4 * b
+        pos = 4 + 4 * b
         out[pos:pos + t] = [tok for row in self.tokens for tok in row]
-        out[pos + t:] = [blk for row in self.block_tables for blk in row]
+        out[pos + t:] = [blk for row, n in zip(self.block_tables, table_lens) for blk in row[:n]]
         return torch.from_numpy(out)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "StepPlan":
         values = packed.numpy()
-        b, t, k = (int(v) for v in values[:3])
-        if len(values) != 3 + 4 * b + t + k:
+        b, t, k, block_size = (int(v) for v in values[:4])
+        if len(values) != 4 + 4 * b + t + k:
             raise ValueError(f"step message of {len(values)} words does not match its header {b, t, k}")
-        starts, num_new, sampled, table_lens = values[3:3 + 4 * b].reshape(4, b).tolist()
-        pos = 3 + 4 * b
+        starts, num_new, sampled, table_lens = values[4:4 + 4 * b].reshape(4, b).tolist()
+        pos = 4 + 4 * b
         flat_tokens = values[pos:pos + t].tolist()
         flat_tables = values[pos + t:].tolist()
         tokens, tables, i, j = [], [], 0, 0
@@ -88,4 +91,4 @@ class StepPlan:
             tokens.append(flat_tokens[i:i + n])
             tables.append(flat_tables[j:j + m])
             i, j = i + n, j + m
-        return cls(starts, tokens, [bool(s) for s in sampled], tables)
+        return cls(starts, tokens, [bool(s) for s in sampled], tables, block_size)

@@ -112,9 +112,8 @@ def engine(folder: Path, tp: int, dtype: str, max_batch_size: int, max_seq_len: 
     return LLMEngine.from_dir(str(folder), config)
 
 
-def release(eng: LLMEngine) -> None:
-    eng.close()
-    del eng
+def free_memory() -> None:
+    """After the caller dropped its engine: its weights, KV cache and graphs go back."""
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -133,7 +132,9 @@ def check(num_gpus: int, tp: int, out: dict) -> bool:
         try:
             run = run_engine(eng, prompts, [32] * len(prompts), deadline, keep_outputs=True)
         finally:
-            release(eng)
+            eng.close()  # stops the other ranks
+            del eng
+            free_memory()
         log(f"  tp={tp_size} cuda_graph_mode={graphs}: {run.output_tokens} tokens, "
             f"{time.perf_counter() - start:.1f} s with start-up")
         return run.outputs
@@ -177,7 +178,9 @@ def bench(num_gpus: int, tp: int, out: dict) -> None:
             b1 = run_engine(eng, random_prompts(1, 128, vocab, seed=2), [128], deadline)
             b64 = run_engine(eng, random_prompts(64, 128, vocab, seed=4), [128] * 64, deadline)
         finally:
-            release(eng)
+            eng.close()
+            del eng  # before the next engine sizes its KV cache from the free memory
+            free_memory()
         row["timed_out"] = b1.timed_out or b64.timed_out
         row.update(batch1_step_ms=round(b1.decode_step_ms, 3), batch1_tok_s=round(b1.decode_tok_s, 1),
                    batch64_step_ms=round(b64.decode_step_ms, 3), batch64_tok_s=round(b64.decode_tok_s, 1))

@@ -121,6 +121,9 @@ def test_missing_gpus_are_refused():
 
 def test_step_plan_round_trip():
     plan = StepPlan(starts=[0, 40, 7], tokens=[[5, 6, 7], [-2], [9]], sampled=[True, True, False],
-                    block_tables=[[3], [1, 4, 8, 2, 6, 11], [0]])
+                    block_tables=[[3], [1, 4, 8, 2, 6, 11], [0]], block_size=8)
     assert StepPlan.unpack(plan.pack()) == plan
-    assert StepPlan.unpack(StepPlan([], [], [], []).pack()).num_rows == 0
+    # Rank 0 holds the sequences' whole tables; only the blocks the step reads are sent.
+    longer = StepPlan(plan.starts, plan.tokens, plan.sampled, [[3, 9], [1, 4, 8, 2, 6, 11, 5], [0, 1]], 8)
+    assert StepPlan.unpack(longer.pack()) == plan
+    assert StepPlan.unpack(StepPlan([], [], [], [], 8).pack()).num_rows == 0

@@ -182,28 +182,30 @@ class Worker:
         """
         return self.launch(batch, rows, hooks, request_ids).result()
 
+    @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
                hooks: list[LogitsHook | None] | None = None,
                request_ids: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
         plan = self._plan(batch, rows)
-        if self.ranks is not None:  # the other ranks run the same step
+        step = self.inputs_from_plan(plan, rows, hooks, request_ids)  # a bad step fails here...
+        if self.ranks is not None:  # ...before the other ranks are told to run it
             try:
                 self.ranks.send_step(plan)
             except Exception as exc:  # a rank is gone: no step can run any more
                 from inflight.engine import EngineFatalError  # the engine imports this module
                 raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
-        return self.run_plan(plan, rows, hooks, request_ids)
+        return self._run(step)
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan, rows: list[SamplingRow] | None = None,
-                 hooks: list[LogitsHook | None] | None = None,
-                 request_ids: list[int] | None = None) -> DeviceSample | None:
-        """prepare inputs -> run model -> sample, from the step's plain plan. `rows` None: a
+    def run_plan(self, plan: StepPlan, rows: list[SamplingRow] | None = None) -> DeviceSample | None:
+        """prepare inputs -> run model -> sample, from a step's plain plan. `rows` None: a
         tensor-parallel rank other than 0 (computes with rank 0, samples nothing)."""
-        step = self.inputs_from_plan(plan, rows, hooks, request_ids)
+        return self._run(self.inputs_from_plan(plan, rows))
+
+    def _run(self, step: StepInput) -> DeviceSample | None:
         logits = self.run_model(step)
-        if rows is None:
+        if step.sampling_rows is None:
             self._share_sampled_ids(step.num_sampled)
             return None
         return self.sample_on_device(logits, step)

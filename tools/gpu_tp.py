@@ -104,7 +104,8 @@ def write_checkpoint(spec: dict, dtype: torch.dtype, std: float, folder: Path, s
 def engine(folder: Path, tp: int, dtype: str, max_batch_size: int, max_seq_len: int,
            graphs: bool | None = None) -> LLMEngine:
     config = ExecutorConfig(
-        device=DEVICE if DEVICE == "cpu" else "auto", dtype=dtype, max_batch_size=max_batch_size, max_num_tokens=8192, max_seq_len=max_seq_len,
+        device=DEVICE if DEVICE == "cpu" else "auto", dtype=dtype, max_batch_size=max_batch_size,
+        max_num_tokens=8192, max_seq_len=max_seq_len,
         enable_chunked_context=True, kv_cache_config=KvCacheConfig(
             tokens_per_block=32, max_tokens=max_batch_size * max_seq_len if DEVICE == "cpu" else None),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(cuda_graph_mode=graphs),
@@ -197,7 +198,8 @@ def bench(num_gpus: int, tp: int, out: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel size compared with tp=1")
     parser.add_argument("--check", action="store_true", help="the greedy check alone")
     parser.add_argument("--bench", action="store_true", help="the benchmark alone")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
-import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -143,8 +143,12 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config: Executor
     try:
         worker = Worker(model_dir, config, tp=tp)
         follow(worker)
-    finally:
-        tp.close()
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        # Exit now, without a graceful teardown (which would wait for peers): the closed sockets
+        # make rank 0's next message or collective fail at once instead of waiting it out.
+        os._exit(1)
+    tp.close()
 
 
 def follow(worker) -> None:

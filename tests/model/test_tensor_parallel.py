@@ -105,7 +105,8 @@ def test_sharding_rules():
 def test_heads_that_do_not_divide_are_refused():
     config = ModelConfig.from_hf_dict({**TINY_COMMON, "architectures": ["LlamaForCausalLM"]})
     check_divisible(config, 2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide the model's 2 key/value heads"):
+    with pytest.raises(ConfigError,
+                       match="tensor_parallel_size 4 does not divide the model's 2 key/value heads"):
         check_divisible(config, 4)
 
 

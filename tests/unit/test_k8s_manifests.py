@@ -72,11 +72,13 @@ def test_probes_and_ports_follow_triton():
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"]
     # The drain (launcher --exit_timeout) ends before the kubelet kills the pod.
     command = container["args"][0]
     exit_timeout = float(re.search(r"--exit_timeout (\d+)", command).group(1))
-    assert pod["terminationGracePeriodSeconds"] > exit_timeout + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    pre_stop_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > exit_timeout + pre_stop_s
 
 
 def test_container_command_uses_real_flags():

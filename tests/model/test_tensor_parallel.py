@@ -80,10 +80,12 @@ def test_tp2_matches_tp1(tmp_path):
         assert "boom" in final(bad).error_msg
         assert_kv_idle(engine)
         assert _generate(engine)[0] == want_tokens
-        # A rank that dies stops the engine at its next step (no silent hang, no half-served steps).
+        # A rank that fails (here: a message it cannot read) exits at once, and the engine stops
+        # at its next step instead of waiting on the rank (no hang, no half-served steps).
         rank1 = engine.worker.ranks.processes[0]
-        rank1.kill()
-        rank1.join()
+        engine.worker.tp.send_message(99)
+        rank1.join(timeout=120)
+        assert rank1.exitcode == 1
         engine.add_request(gen_request(PROMPTS[0], 4))
         with pytest.raises(EngineFatalError, match="tensor-parallel rank is gone"):
             engine.step()

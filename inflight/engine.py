@@ -40,7 +40,7 @@ from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from inflight.request_state import RequestState
+from inflight.request_state import PLACEHOLDER_BASE, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
 
@@ -83,6 +83,9 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        # Live requests whose sampling reads their tokens on the host (they make steps
+        # synchronous, and only they can have logits processors): a count, not a scan per step.
+        self._num_host_token_requests = 0
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -131,7 +134,13 @@ class LLMEngine:
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
+        self._num_host_token_requests += state.needs_host_tokens
         self.scheduler.add(state.seq)
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a request that is done (finished, cancelled or failed) from the live set."""
+        if self.requests.pop(state.request_id, None) is not None:
+            self._num_host_token_requests -= state.needs_host_tokens
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.vocab_size
@@ -195,12 +204,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        states = [self.requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        requests = self.requests
+        states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
-                    [st.request_id for st in states])
+            rows = [st.sampling_row for st in states]
+            if self._num_host_token_requests:  # only such requests can have logits processors
+                args = (rows, [st.request.logits_processor for st in states],
+                        [st.request_id for st in states])
+            else:
+                args = (rows, None, None)
             sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
         except EngineFatalError:
             raise
@@ -212,7 +226,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
-                state.add_placeholder(i)
+                state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
         self._in_flight = _InFlight(batch, states, sample)
         if not overlap:
             responses += self._drain()
@@ -221,8 +235,7 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        return (getattr(self.worker, "overlap", False)
-                and not any(st.needs_host_tokens for st in self.requests.values()))
+        return getattr(self.worker, "overlap", False) and not self._num_host_token_requests
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""
@@ -235,15 +248,16 @@ class LLMEngine:
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses = []
+        live, not_finished = self.requests, FinishReason.NOT_FINISHED
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
-            if self.requests.get(state.request_id) is not state:
+            if live.get(state.request_id) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob)
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue
-            if state.finish_reason is not FinishReason.NOT_FINISHED:
+            if state.finish_reason is not not_finished:
                 responses.append(self._finish(state))
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
@@ -252,7 +266,7 @@ class LLMEngine:
     def _finish(self, state: RequestState) -> Response:
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
-        self.requests.pop(state.request_id, None)
+        self._forget(state)
         self.num_completed_requests += 1
         return state.response(is_final=True)
 
@@ -268,7 +282,7 @@ class LLMEngine:
 
     def _fail_request(self, state: RequestState, message: str) -> Response:
         state.drop_placeholder()
-        self.requests.pop(state.request_id, None)
+        self._forget(state)
         self.scheduler.finish(state.seq)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 

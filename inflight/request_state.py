@@ -51,13 +51,10 @@ class RequestState:
                 or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
                 or any(len(word) > 1 for word in request.bad_words or []))
 
+    @cached_property
     def sampling_row(self) -> SamplingRow:
         """The sampler's view of this request, built once: its `token_ids` is the sequence's
-        own list, so it follows every token appended (the engine asks for it every step)."""
-        return self._sampling_row
-
-    @cached_property
-    def _sampling_row(self) -> SamplingRow:
+        own list, so it follows every token appended (the engine reads it every step)."""
         sc, seq, end_id = self.sampling, self.seq, self.request.end_id
         greedy = sc.is_greedy
         return SamplingRow(
@@ -89,7 +86,7 @@ class RequestState:
     def accept_token(self, token: int, log_prob: float | None) -> None:
         """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
         is never part of the output), and the stop conditions are checked. A failing user
-        `stopping_criteria` raises."""
+        `stopping_criteria` raises. (Runs once per row per step: kept to a few list ops.)"""
         tokens = self.seq.token_ids
         if tokens[-1] < 0:
             tokens.pop()
@@ -99,7 +96,18 @@ class RequestState:
         tokens.append(token)
         if log_prob is not None:
             self.log_probs.append(log_prob)
-        self.finish_reason = self._check_stop()
+        max_num_tokens, has_stop_rules = self._stop_limits
+        if has_stop_rules:
+            self.finish_reason = self._check_stop()
+        elif len(tokens) >= max_num_tokens:
+            self.finish_reason = FinishReason.LENGTH
+
+    @cached_property
+    def _stop_limits(self) -> tuple[int, bool]:
+        """(token count at which max_tokens is reached, whether stop words or stopping
+        criteria must be checked): fixed for the request's life."""
+        _, stop_words, criteria = self._stop_rules
+        return self.seq.max_total_tokens, bool(stop_words) or criteria is not None
 
     @cached_property
     def _stop_rules(self) -> tuple:
@@ -126,14 +134,14 @@ class RequestState:
 
     def response(self, is_final: bool) -> Response:
         request, seq = self.request, self.seq
-        generated = seq.generated_token_ids
-        if request.streaming:
-            new_tokens = generated[self.num_streamed_tokens:]
+        num_prompt = seq.num_prompt_tokens
+        num_generated = len(seq.token_ids) - num_prompt
+        if request.streaming:  # only the new tokens are copied: this runs per row per step
+            output = seq.token_ids[num_prompt + self.num_streamed_tokens:]
             new_log_probs = self.log_probs[self.num_streamed_tokens:]
-            self.num_streamed_tokens = len(generated)
-            output = new_tokens
+            self.num_streamed_tokens = num_generated
         elif request.output_config.exclude_input_from_output:
-            output, new_log_probs = generated, self.log_probs
+            output, new_log_probs = seq.generated_token_ids, self.log_probs
         else:
             output, new_log_probs = seq.token_ids, self.log_probs
         want_log_probs = request.output_config.return_log_probs
@@ -144,7 +152,7 @@ class RequestState:
             log_probs=[list(new_log_probs)] if want_log_probs else None,
             finish_reasons=[self.finish_reason],
             is_sequence_final=is_final,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(generated),
+            num_input_tokens=num_prompt,
+            num_output_tokens=num_generated,
         )
         return Response(request_id=self.request_id, result=result, client_id=request.client_id)

@@ -47,6 +47,7 @@ from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import check_divisible, shard_config
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
                                resolve_dtype, uses_cuda_graphs)
+from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 from inflight.step_plan import StepPlan
 
@@ -95,19 +96,24 @@ class Worker:
 
     def __init__(self, model_dir: str, config: ExecutorConfig,
                  weights: Mapping[str, torch.Tensor] | None = None, tp: TensorParallel | None = None):
-        self.ranks = None
+        ranks = None
         if tp is None and config.tensor_parallel_size > 1:
             if weights is not None:
                 raise ValueError("weights handed over in memory need tensor_parallel_size 1; "
                                  "write them to a folder for tensor parallelism")
             check_divisible(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
-            tp, self.ranks = start_ranks(model_dir, config)
+            tp, ranks = start_ranks(model_dir, config)
         self.tp = tp or TensorParallel.single()
+        # Start-up steps (warm-up, precompile) run on every rank at once, each its own: rank 0
+        # sends steps only once every rank is built and following.
+        self.ranks = None
         try:
             self._build(model_dir, config, weights)
         except BaseException:
-            self.close()
+            if ranks is not None:
+                ranks.kill()
             raise
+        self.ranks = ranks
 
     def _build(self, model_dir: str, config: ExecutorConfig,
                weights: Mapping[str, torch.Tensor] | None) -> None:
@@ -154,6 +160,8 @@ class Worker:
         if self.graph_runner is not None:
             # Ranks must agree on graphs or eager (their collectives pair up): no fallback.
             self._capture_graphs(explicit=perf.cuda_graph_mode is True or self.tp.is_parallel)
+        if self.device.type == "cuda" and backend_name == "triton":
+            precompile(self)  # every kernel variant a step can need: no JIT stall mid-serving
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
                     "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
@@ -187,14 +195,15 @@ class Worker:
                hooks: list[LogitsHook | None] | None = None,
                request_ids: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
+        if self.ranks is None:  # one rank (or start-up, when every rank runs its own steps)
+            return self._run(self.prepare_inputs(batch, rows, hooks, request_ids))
         plan = self._plan(batch, rows)
-        step = self.inputs_from_plan(plan, rows, hooks, request_ids)  # a bad step fails here...
-        if self.ranks is not None:  # ...before the other ranks are told to run it
-            try:
-                self.ranks.send_step(plan)
-            except Exception as exc:  # a rank is gone: no step can run any more
-                from inflight.engine import EngineFatalError  # the engine imports this module
-                raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
+        step = self.inputs_from_plan(plan, rows, hooks, request_ids)  # a bad step fails here,
+        try:  # before the other ranks are told to run it
+            self.ranks.send_step(plan)
+        except Exception as exc:  # a rank is gone: no step can run any more
+            from inflight.engine import EngineFatalError  # the engine imports this module
+            raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
         return self._run(step)
 
     @torch.inference_mode()
@@ -214,7 +223,14 @@ class Worker:
                        hooks: list[LogitsHook | None] | None = None,
                        request_ids: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host -> device transfer; never syncs."""
-        return self.inputs_from_plan(self._plan(batch, rows), rows, hooks, request_ids)
+        num_sampled = batch.num_sampled
+        if num_sampled != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
+        if self._fits_graph(batch):  # the hot path: staged straight from the scheduler's rows
+            graph_step = self.graph_runner.stage_decode(batch.scheduled)
+            return StepInput(None, None, graph_step, num_sampled, rows, hooks, request_ids)
+        return self.inputs_from_plan(StepPlan.from_batch(batch, self.block_size), rows, hooks,
+                                     request_ids)
 
     def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
         plan = StepPlan.from_batch(batch, self.block_size)
@@ -250,6 +266,12 @@ class Worker:
             pending=(pending_dst, pending_src) if pending_dst else None)
         return StepInput(meta, self.backend.build_metadata(meta), None, num_sampled, rows, hooks,
                          request_ids)
+
+    def _fits_graph(self, batch: SchedulerOutput) -> bool:
+        """A decode step (one new token per row, every row sampled) within the captured sizes."""
+        runner = self.graph_runner
+        return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
+                and batch.is_decode_only)
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""

@@ -9,6 +9,11 @@
 #   bash tools/gpu_check.sh tp          # tensor parallelism (tools/gpu_tp.py): greedy tp=2 == tp=1,
 #                                       # then Llama-3.1-8B shape tp=1 vs tp=2 (~4 min on one H100,
 #                                       # where tp=1 runs alone; ~8 min on 2 GPUs); gpu_tp.json
+#   bash tools/gpu_check.sh jit         # ~3 min: Triton compiles after start-up over a mixed
+#                                       # workload, 1B and 8B (must be 0), slowest step
+#   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
+#                                       # at batch 1/64/256, kernels per step, GPU busy vs wall
+#   bash tools/gpu_check.sh tune        # jit then profile (~6 min)
 #
 # Every stage has its own time limit and runs whatever the others did. Logs and results go to
 # $OUT (the device tool brings them back; default /tmp/gpu_check): gpu_check.log, kernels.log,
@@ -56,6 +61,12 @@ if [[ $what == tp ]]; then
   stage "tp: greedy tp=2 == tp=1" 240 tp_check.log $PY tools/gpu_tp.py --check --out "$OUT/tp_check"
   stage "tp: 8B tp=1 vs tp=2" 330 tp_bench.log $PY tools/gpu_tp.py --bench --out "$OUT"
 fi
+if [[ $what == jit || $what == tune ]]; then
+  stage "jit compiles after start-up" 280 jit.log $PY tools/bench_gpu_checks.py jit --out "$OUT"
+fi
+if [[ $what == profile || $what == tune ]]; then
+  stage "decode profile" 280 profile.log $PY tools/bench_gpu_checks.py profile --out "$OUT"
+fi
 if [[ $what == bench-full ]]; then
   stage "bench --full" 570 bench.log $PY tools/bench_gpu.py --full --out "$OUT"
 fi
@@ -75,6 +86,14 @@ fi
   for log in tp_check.log tp_bench.log; do
     [[ -f $OUT/$log ]] && { echo "--- $log ---"; grep -vE '^\[tp rank' "$OUT/$log" | grep -E '^(  tp=|CHECK|  "batch|   "batch|.*NOT RUN|.*refused)' ; }
   done
+  if [[ -f $OUT/jit.log ]]; then
+    echo "--- jit.log ---"
+    grep -E '^(RESULT|==|  COMPILED|  [0-9a-z].*step)' "$OUT/jit.log"
+  fi
+  if [[ -f $OUT/profile.log ]]; then
+    echo "--- profile.log ---"
+    grep -vE '^(USDT|STAGE|\[W)' "$OUT/profile.log" | tail -n 100
+  fi
   if [[ -f $OUT/bench.md ]]; then
     echo "--- bench.md ---"
     cat "$OUT/bench.md"

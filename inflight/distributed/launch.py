@@ -76,6 +76,14 @@ class Ranks:
     def send_step(self, plan: StepPlan) -> None:
         self.tp.send_message(MSG_STEP, plan.pack())
 
+    def kill(self) -> None:
+        """Ends the other ranks at once (rank 0's start-up failed: they cannot be told)."""
+        with self._lock:
+            self._stopped = True
+        for p in self.processes:
+            p.kill()
+            p.join()
+
     def stop(self) -> None:
         """Tells the other ranks to exit and waits for them (idempotent)."""
         with self._lock:

@@ -21,6 +21,7 @@ host reads this one's tokens. `sample` does both at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -59,6 +60,15 @@ class SamplingRow:
     @property
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @cached_property
+    def is_plain_greedy(self) -> bool:
+        """Argmax with nothing applied to the logits at any step and no log probs. Cached: a
+        row's parameters are fixed once it is built (only `token_ids` grows)."""
+        return (self.is_greedy and not self.return_log_probs and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and not self.bad_words and self.embedding_bias is None
+                and (self.end_id is None or self.min_tokens <= 0))
 
     def has_processors(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
@@ -155,6 +165,8 @@ class Sampler:
         """`sample` without reading the tokens back: no host sync."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        if all(r.is_plain_greedy for r in rows):  # the common case, checked in one pass
+            return DeviceSample(logits.argmax(dim=-1), None, [False] * len(rows))
         wants = [r.return_log_probs for r in rows]
         want_log_probs = any(wants)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:

@@ -19,8 +19,13 @@ work hides behind the GPU's. The protocol:
 A row that finished at N-1 but was computed in N has its N token discarded; nothing it
 produced after its finish is ever sent. Streamed chunks and final outputs are the
 synchronous engine's; they leave one step later. Requests whose sampling reads earlier tokens
-on the host (`RequestState.needs_host_tokens`) make the engine step synchronously while they
-are live; so does the CPU by default.
+on the host (`RequestState.needs_host_tokens`: logits processors, penalties, multi-token bad
+words, guided decoding) make the engine step synchronously while they are live; so does the CPU
+by default.
+
+Guided decoding (`ExecutorConfig.guided_decoding_config`): `prepare` compiles the request's guide
+(cached, `inflight.sampling.grammar`) and gives it a grammar matcher, which accepts each token as
+it arrives; the sampler masks the logits with the matcher's next-token mask.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
+from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.request_state import PLACEHOLDER_BASE, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,7 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        self.grammars = self._grammar_compiler()
         # Live requests whose sampling reads their tokens on the host (they make steps
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self._num_host_token_requests = 0
@@ -102,6 +110,14 @@ class LLMEngine:
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+
+    def _grammar_compiler(self):
+        guided = self.config.guided_decoding_config
+        if guided is None:
+            return None
+        from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
+
+        return GrammarCompiler(guided, self.model_config.vocab_size)
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -130,7 +146,26 @@ class LLMEngine:
         if reason:
             raise RequestError(reason)
         return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request))
+                            self._embedding_bias(request), self.guide(request))
+
+    def guide(self, request: Request):
+        """A grammar matcher for the request's guide (None without one), its grammar compiled
+        or taken from the cache. Raises RequestError for a guide that does not compile or an
+        engine without guided decoding."""
+        params = request.guided_decoding_params
+        return None if params is None else self._grammar_compiler_for_requests().matcher(params)
+
+    def compile_guide(self, request: Request) -> None:
+        """Compiles the request's guide into the cache now (errors as `guide`): the executor
+        calls this on the caller's thread before taking its lock, so a large schema's compile
+        never holds up the engine loop, and `prepare` finds the grammar in the cache."""
+        if request.guided_decoding_params is not None:
+            self._grammar_compiler_for_requests().compile(request.guided_decoding_params)
+
+    def _grammar_compiler_for_requests(self):
+        if self.grammars is None:
+            raise RequestError(GUIDED_DECODING_OFF)
+        return self.grammars
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -254,6 +289,9 @@ class LLMEngine:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob)
+            except GuideViolation as exc:
+                responses.append(self._fail_request(state, str(exc)))
+                continue
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class RequestState:
     seq: Sequence
     generator: torch.Generator | None
     embedding_bias: torch.Tensor | None
+    # Guided decoding: the request's grammar matcher (inflight.sampling.grammar.GuideMatcher).
+    guide: Any = None
     log_probs: list[float] = field(default_factory=list)
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
@@ -41,12 +44,13 @@ class RequestState:
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token reads its previous tokens on the host:
         Python logits processors, repetition/presence/frequency penalties (their index lists
-        are built from the token ids) and multi-token bad words (their prefix is matched
-        against the tail). Such requests make steps synchronous. Stop words, stopping
+        are built from the token ids), multi-token bad words (their prefix is matched against
+        the tail) and guided decoding (the grammar matcher must accept the last token before
+        it can fill the next token mask). Such requests make steps synchronous. Stop words, stopping
         criteria, end ids, min_tokens and max_tokens do not: they are checked (or counted)
         when the tokens arrive, exactly, one step later."""
         sc, request = self.sampling, self.request
-        return (request.logits_processor is not None
+        return (request.logits_processor is not None or self.guide is not None
                 or (sc.repetition_penalty or 1.0) != 1.0
                 or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
                 or any(len(word) > 1 for word in request.bad_words or []))
@@ -72,6 +76,7 @@ class RequestState:
             embedding_bias=self.embedding_bias,
             generator=self.generator,
             return_log_probs=self.request.output_config.return_log_probs,
+            guide=self.guide,
         )
 
     # ----- tokens in -----------------------------------------------------------------------
@@ -84,14 +89,19 @@ class RequestState:
             self.seq.token_ids.pop()
 
     def accept_token(self, token: int, log_prob: float | None) -> None:
-        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
-        is never part of the output), and the stop conditions are checked. A failing user
-        `stopping_criteria` raises. (Runs once per row per step: kept to a few list ops.)"""
+        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, or
+        at a stop token that ends the request's grammar: neither is ever part of the output),
+        and the stop conditions are checked. A failing user `stopping_criteria` raises, and so
+        does a token the grammar refuses (`GuideViolation`). (Runs once per row per step: kept
+        to a few list ops.)"""
         tokens = self.seq.token_ids
         if tokens[-1] < 0:
             tokens.pop()
         if token == self.request.end_id:  # None never equals a token
             self.finish_reason = FinishReason.END_ID
+            return
+        if self.guide is not None and self.guide.accept(token):
+            self.finish_reason = FinishReason.END_ID  # the grammar ended with a stop token
             return
         tokens.append(token)
         if log_prob is not None:

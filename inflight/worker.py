@@ -46,7 +46,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import check_divisible, shard_config
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
-                               resolve_dtype, uses_cuda_graphs)
+                               resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 from inflight.step_plan import StepPlan
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 # (request_id, token_ids so far, logits [vocab]) -> logits [vocab]
 LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+# (row in the batch, first of its new tokens, number of tokens): prompt positions whose logits
+# a request asked for (`return_context_logits`).
+ContextSpan = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,19 @@ class StepInput:
     metadata: StepMetadata | None  # the step's layout (backend-neutral), with its input ids
     attn_metadata: Any  # the attention backend's metadata for this step (eager)
     graph_step: GraphStep | None  # a decode step staged in a CUDA graph's static inputs
-    num_sampled: int  # rows whose logits are computed
-    # One per sampled row, in batch order; None on tensor-parallel ranks other than 0 (they
-    # compute the logits with rank 0 but do not sample).
-    sampling_rows: list[SamplingRow] | None
+    sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
+    context_indices: torch.Tensor | None = None  # [C] int64: tokens of the step whose logits to keep
+    generation_rows: list[int] | None = None  # sampled rows whose raw logits to keep
+
+    # Tensor-parallel ranks other than 0 have no sampling rows (they compute the logits with
+    # rank 0 but do not sample): `sampling_rows` is None and this is their count.
+    follower_num_sampled: int = 0
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampling_rows) if self.sampling_rows is not None else self.follower_num_sampled
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -183,23 +193,33 @@ class Worker:
 
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
                 hooks: list[LogitsHook | None] | None = None,
-                request_ids: list[int] | None = None) -> SamplerOutput:
+                request_ids: list[int] | None = None,
+                context_logits: list[ContextSpan] | None = None,
+                generation_logits: list[int] | None = None) -> SamplerOutput:
         """Compute the scheduled tokens and sample one token per `is_sampled` row.
 
-        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
+        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order. The
+        output also carries the raw logits of the `generation_logits` sampled rows and of the
+        `context_logits` spans' tokens (see `SamplerOutput`); without them, nothing is
+        computed, copied or even looked at beyond the sampled rows' tokens.
         """
-        return self.launch(batch, rows, hooks, request_ids).result()
+        return self.launch(batch, rows, hooks, request_ids, context_logits, generation_logits).result()
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
                hooks: list[LogitsHook | None] | None = None,
-               request_ids: list[int] | None = None) -> DeviceSample:
+               request_ids: list[int] | None = None,
+               context_logits: list[ContextSpan] | None = None,
+               generation_logits: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
         if self.ranks is None:  # one rank (or start-up, when every rank runs its own steps)
-            return self._run(self.prepare_inputs(batch, rows, hooks, request_ids))
+            return self._run(self.prepare_inputs(batch, rows, hooks, request_ids, context_logits,
+                                                 generation_logits))
+        if context_logits:
+            raise ValueError("context logits are not available with tensor_parallel_size > 1")
         plan = self._plan(batch, rows)
-        step = self.inputs_from_plan(plan, rows, hooks, request_ids)  # a bad step fails here,
-        try:  # before the other ranks are told to run it
+        step = self.inputs_from_plan(plan, rows, hooks, request_ids, generation_logits)  # a bad
+        try:  # step fails here, before the other ranks are told to run it
             self.ranks.send_step(plan)
         except Exception as exc:  # a rank is gone: no step can run any more
             from inflight.engine import EngineFatalError  # the engine imports this module
@@ -213,24 +233,52 @@ class Worker:
         return self._run(self.inputs_from_plan(plan, rows))
 
     def _run(self, step: StepInput) -> DeviceSample | None:
-        logits = self.run_model(step)
+        logits, prompt_logits = self.forward(step)
         if step.sampling_rows is None:
             self._share_sampled_ids(step.num_sampled)
             return None
-        return self.sample_on_device(logits, step)
+        return self.sample_on_device(logits, step, prompt_logits)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
                        hooks: list[LogitsHook | None] | None = None,
-                       request_ids: list[int] | None = None) -> StepInput:
-        """Host work of a step and its one host -> device transfer; never syncs."""
+                       request_ids: list[int] | None = None,
+                       context_logits: list[ContextSpan] | None = None,
+                       generation_logits: list[int] | None = None) -> StepInput:
+        """Host work of a step and its one host → device transfer; never syncs."""
         num_sampled = batch.num_sampled
         if num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
-        if self._fits_graph(batch):  # the hot path: staged straight from the scheduler's rows
+        if not context_logits and self._fits_graph(batch):
             graph_step = self.graph_runner.stage_decode(batch.scheduled)
-            return StepInput(None, None, graph_step, num_sampled, rows, hooks, request_ids)
-        return self.inputs_from_plan(StepPlan.from_batch(batch, self.block_size), rows, hooks,
-                                     request_ids)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
+        input_ids: list[int] = []
+        row_starts: list[int] = []  # each row's first token in input_ids
+        sampled_rows: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
+        for i, item in enumerate(batch.scheduled):
+            tokens = item.seq.token_ids[item.start_position:item.context_len]
+            if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
+                pending_dst.append(len(input_ids) + len(tokens) - 1)
+                pending_src.append(-1 - tokens[-1])
+                tokens = tokens[:-1] + [0]
+            if len(tokens) > 1 and min(tokens) < 0:
+                raise RuntimeError(f"request {item.seq.request_id}: a placeholder token before "
+                                   "its last position")
+            row_starts.append(len(input_ids))
+            input_ids.extend(tokens)
+            if item.is_sampled:
+                sampled_rows.append(i)
+        meta = StepMetadata.build(
+            [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
+            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
+            pending=(pending_dst, pending_src) if pending_dst else None)
+        context_indices = None
+        if context_logits:
+            flat = [row_starts[row] + offset + j for row, offset, count in context_logits for j in range(count)]
+            context_indices = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
+        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
+                         context_indices, generation_logits)
 
     def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
         plan = StepPlan.from_batch(batch, self.block_size)
@@ -240,13 +288,15 @@ class Worker:
 
     def inputs_from_plan(self, plan: StepPlan, rows: list[SamplingRow] | None,
                          hooks: list[LogitsHook | None] | None = None,
-                         request_ids: list[int] | None = None) -> StepInput:
+                         request_ids: list[int] | None = None,
+                         generation_logits: list[int] | None = None) -> StepInput:
         """The step's device inputs from its plan: a staged CUDA graph step, or the metadata."""
         num_sampled = plan.num_sampled
         runner = self.graph_runner
         if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
             graph_step = runner.stage_plan(plan)
-            return StepInput(None, None, graph_step, num_sampled, rows, hooks, request_ids)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
+                             num_sampled)
         input_ids: list[int] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
@@ -264,8 +314,8 @@ class Worker:
              for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],
             self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
             pending=(pending_dst, pending_src) if pending_dst else None)
-        return StepInput(meta, self.backend.build_metadata(meta), None, num_sampled, rows, hooks,
-                         request_ids)
+        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
+                         None, generation_logits, num_sampled)
 
     def _fits_graph(self, batch: SchedulerOutput) -> bool:
         """A decode step (one new token per row, every row sampled) within the captured sizes."""
@@ -275,30 +325,58 @@ class Worker:
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
+        return self.forward(step)[0]
+
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run_model`, plus the LM head over `step.context_indices` when a request asked for
+        its prompt's logits: ([S, vocab], [C, vocab] or None), float32."""
         if step.graph_step is not None:
-            return self.graph_runner.replay(step.graph_step)
+            return self.graph_runner.replay(step.graph_step), None
         meta = step.metadata
         input_ids = meta.input_ids
         if meta.pending_dst is not None:
             input_ids = input_ids.index_copy(0, meta.pending_dst,
                                              self.sampled_ids.index_select(0, meta.pending_src))
         hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
+        prompt_logits = None
+        if step.context_indices is not None:
+            prompt_logits = self._prompt_logits(hidden, step.context_indices)  # [C, vocab]
         if step.num_sampled == 0:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt_logits
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
-        return self.model.compute_logits(hidden)  # [S, vocab]
+        return self.model.compute_logits(hidden), prompt_logits  # [S, vocab]
+
+    def _prompt_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The LM head over `hidden[indices]`: [C, vocab] float32. On CUDA it runs in slices of
+        `max_batch_size` rows (what the warm-up's sampled rows measured), each copied at once
+        into pinned host memory, so a long prompt's logits never sit on the device whole."""
+        if self.device.type != "cuda":
+            return self.model.compute_logits(hidden.index_select(0, indices))
+        num_rows, step = indices.shape[0], self.sampled_ids.shape[0]
+        host = torch.empty((num_rows, self.model_config.vocab_size), dtype=torch.float32, pin_memory=True)
+        for start in range(0, num_rows, step):
+            rows = self.model.compute_logits(hidden.index_select(0, indices[start:start + step]))
+            host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
+        return host
 
     def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
         """Logits hooks, then one token per sampled row (the step's one host wait)."""
         return self.sample_on_device(logits, step).result()
 
-    def sample_on_device(self, logits: torch.Tensor, step: StepInput) -> DeviceSample:
+    def sample_on_device(self, logits: torch.Tensor, step: StepInput,
+                         prompt_logits: torch.Tensor | None = None) -> DeviceSample:
         """Logits hooks, then one token per sampled row, left on the device (its copy to the
-        host queued); `sampled_ids` gets them for the next step."""
+        host queued, with the logits requests asked for); `sampled_ids` gets them for the
+        next step."""
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return DeviceSample(empty, None, [])
+            return DeviceSample(empty, None, [], context_logits=prompt_logits).start_copy()
+        kept = None
+        if step.generation_rows:  # raw, before hooks and the sampler; a copy (a graph's static
+            # logits buffer is overwritten by the next replay)
+            rows = to_device(torch.tensor(step.generation_rows, dtype=torch.int64), self.device)
+            kept = logits.index_select(0, rows)
         try:
             hooks = step.logits_hooks
             if hooks and any(hooks):
@@ -310,6 +388,7 @@ class Worker:
                 self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
         finally:  # the other ranks wait for this broadcast even when sampling failed
             self._share_sampled_ids(step.num_sampled)
+        sample.generation_logits, sample.context_logits = kept, prompt_logits
         return sample.start_copy()
 
     def _share_sampled_ids(self, num_sampled: int) -> None:

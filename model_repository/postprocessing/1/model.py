@@ -49,6 +49,9 @@ class TritonPythonModel:
         self.stopped_keys = collections.deque(maxlen=1024)  # relayed already
         self.auth = ControlAuth.from_env()
 
+    def finalize(self):
+        lifeline.skip_teardown_at_exit()
+
     def _relay_cancellation(self, request):
         key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
         if key is None:

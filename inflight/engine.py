@@ -142,6 +142,12 @@ class LLMEngine:
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
 
+    def close(self) -> None:
+        """Releases what the worker holds outside this process (tensor-parallel ranks)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
     def _grammar_compiler(self):
         guided = self.config.guided_decoding_config
         if guided is None:

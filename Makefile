@@ -25,10 +25,10 @@ SWEEP_ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-nodeps.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip setuptools
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@

@@ -225,6 +225,10 @@ class CudaGraphRunner:
         tokens = [seq.token_ids[position] for seq, position in zip(seqs, positions)]
         return self._stage(tokens, positions, [seq.block_table for seq in seqs])
 
+    def stage_plan(self, plan) -> GraphStep:
+        """`stage_decode` for a decode `StepPlan` (tensor-parallel ranks: one new token per row)."""
+        return self._stage([tokens[0] for tokens in plan.tokens], plan.starts, plan.block_tables)
+
     def stage(self, rows: Sequence[tuple[int, int, Sequence[int]]],
               pending: tuple[list[int], list[int]] | None = None) -> GraphStep:
         """Fills the static inputs for decode rows `(token_id, position, block_table)` with one

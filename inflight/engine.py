@@ -144,6 +144,12 @@ class LLMEngine:
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
 
+    def close(self) -> None:
+        """Releases what the worker holds outside this process (tensor-parallel ranks)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
     def _grammar_compiler(self):
         guided = self.config.guided_decoding_config
         if guided is None:
@@ -267,6 +273,8 @@ class LLMEngine:
             raise RequestError(f"beam_width {beam_width} exceeds max_beam_width ({self.config.max_beam_width})")
         if 2 * beam_width > vocab:
             raise RequestError(f"beam_width {beam_width} needs 2 * beam_width <= the vocabulary ({vocab})")
+        if beam_width > 1 and getattr(getattr(self.worker, "tp", None), "is_parallel", False):
+            raise RequestError("beam search is not supported with tensor_parallel_size > 1 yet")
         if beam_width > 1 and request.guided_decoding_params is not None:
             raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
         if num_prompt + request.max_tokens > self.worker.max_seq_len:

@@ -18,6 +18,12 @@ Start-up on CUDA: load the weights, reserve the backend's buffers and the graphs
 inputs, run one warm-up step at the largest batch against a throw-away one-block cache, size
 the KV cache from what is free after it (`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's
 meaning), then capture the decode graphs, which need the real cache's addresses.
+
+Tensor parallelism (`tensor_parallel_size` > 1): this worker is rank 0 and starts the other
+ranks (`inflight.distributed.launch`). A step is reduced to a plain `StepPlan` on the host,
+sent to the other ranks, and every rank builds the same inputs from it and runs the same
+model step (its shards, the collectives inside); rank 0 alone samples, and with overlapped
+steps broadcasts the sampled ids, which every rank's next step may read on its device.
 """
 
 from __future__ import annotations
@@ -31,14 +37,19 @@ import torch
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
 from inflight.cuda_graph import CudaGraphRunner, GraphStep
+from inflight.distributed.group import TensorParallel
+from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
 from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
                                       resolve_attention_backend)
+from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
+from inflight.model.sharding import check_divisible, shard_config
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, default_max_num_tokens,
                                overlaps_steps, resolve_device, resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
+from inflight.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +74,13 @@ class StepInput:
     context_indices: torch.Tensor | None = None  # [C] int64: tokens of the step whose logits to keep
     generation_rows: list[int] | None = None  # sampled rows whose raw logits to keep
 
+    # Tensor-parallel ranks other than 0 have no sampling rows (they compute the logits with
+    # rank 0 but do not sample): `sampling_rows` is None and this is their count.
+    follower_num_sampled: int = 0
+
     @property
     def num_sampled(self) -> int:
-        return len(self.sampling_rows)
+        return len(self.sampling_rows) if self.sampling_rows is not None else self.follower_num_sampled
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -85,11 +100,36 @@ class Worker:
 
     `weights` (HF name -> tensor, e.g. a random model built on the GPU for a benchmark)
     replaces the checkpoint files; entries are removed as they are loaded.
+    With `config.tensor_parallel_size` > 1 and no `tp`, this is rank 0 and starts the other
+    ranks (`close` stops them); they build their workers with their `tp`.
     """
 
     def __init__(self, model_dir: str, config: ExecutorConfig,
-                 weights: Mapping[str, torch.Tensor] | None = None):
-        self.device = resolve_device(config.device)
+                 weights: Mapping[str, torch.Tensor] | None = None, tp: TensorParallel | None = None):
+        ranks = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if weights is not None:
+                raise ValueError("weights handed over in memory need tensor_parallel_size 1; "
+                                 "write them to a folder for tensor parallelism")
+            check_divisible(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
+            tp, ranks = start_ranks(model_dir, config)
+        self.tp = tp or TensorParallel.single()
+        # Start-up steps (warm-up, precompile) run on every rank at once, each its own: rank 0
+        # sends steps only once every rank is built and following.
+        self.ranks = None
+        try:
+            self._build(model_dir, config, weights)
+        except BaseException:
+            if ranks is not None:
+                ranks.kill()
+            raise
+        self.ranks = ranks
+
+    def _build(self, model_dir: str, config: ExecutorConfig,
+               weights: Mapping[str, torch.Tensor] | None) -> None:
+        self.device = (rank_device(config, self.tp.rank) if self.tp.is_parallel
+                       else resolve_device(config.device))
+        self.bind_thread()
         if self.device.type == "cpu":
             apply_cpu_threads()
         perf = config.extended_runtime_perf_knob_config
@@ -101,15 +141,18 @@ class Worker:
         self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
             self.device, config.enable_chunked_context)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = (load_model(model_dir, self.dtype, self.device, backend_name)
-                                         if weights is None else
-                                         load_model(model_dir, self.dtype, self.device, backend_name,
-                                                    weights=weights))
+        extra = {"weights": weights} if weights is not None else {}
+        if self.tp.is_parallel:
+            extra["tp"] = self.tp
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, backend_name,
+                                                   **extra)
+        # This rank's part of the model: its heads and KV heads (the whole model at tp=1).
+        self.shard_config = shard_config(self.model_config, self.tp.size)
         self.backend = self.model.attention_backend
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.block_size = config.kv_cache_config.tokens_per_block
-        mc = self.model_config
+        mc = self.shard_config
         self.backend.reserve(AttentionLimits(mc.num_attention_heads, mc.num_key_value_heads,
                                              mc.head_dim, config.max_batch_size, self.max_seq_len,
                                              self.device, perf.multi_block_mode))
@@ -127,7 +170,8 @@ class Worker:
         self.num_blocks = self._num_kv_blocks(config, self.peak_step_bytes)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.graph_runner is not None:
-            self._capture_graphs(explicit=perf.cuda_graph_mode is True)
+            # Ranks must agree on graphs or eager (their collectives pair up): no fallback.
+            self._capture_graphs(explicit=perf.cuda_graph_mode is True or self.tp.is_parallel)
         if self.device.type == "cuda" and backend_name == "triton":
             precompile(self)  # every kernel variant a step can need: no JIT stall mid-serving
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
@@ -170,8 +214,31 @@ class Worker:
                context_logits: list[ContextSpan] | None = None,
                generation_logits: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
-        step = self.prepare_inputs(batch, rows, hooks, request_ids, context_logits, generation_logits)
+        if self.ranks is None:  # one rank (or start-up, when every rank runs its own steps)
+            return self._run(self.prepare_inputs(batch, rows, hooks, request_ids, context_logits,
+                                                 generation_logits))
+        if context_logits:
+            raise ValueError("context logits are not available with tensor_parallel_size > 1")
+        plan = self._plan(batch, rows)
+        step = self.inputs_from_plan(plan, rows, hooks, request_ids, generation_logits)  # a bad
+        try:  # step fails here, before the other ranks are told to run it
+            self.ranks.send_step(plan)
+        except Exception as exc:  # a rank is gone: no step can run any more
+            from inflight.engine import EngineFatalError  # the engine imports this module
+            raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
+        return self._run(step)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, rows: list[SamplingRow] | None = None) -> DeviceSample | None:
+        """prepare inputs -> run model -> sample, from a step's plain plan. `rows` None: a
+        tensor-parallel rank other than 0 (computes with rank 0, samples nothing)."""
+        return self._run(self.inputs_from_plan(plan, rows))
+
+    def _run(self, step: StepInput) -> DeviceSample | None:
         logits, prompt_logits = self.forward(step)
+        if step.sampling_rows is None:
+            self._share_sampled_ids(step.num_sampled)
+            return None
         return self.sample_on_device(logits, step, prompt_logits)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
@@ -214,6 +281,43 @@ class Worker:
             context_indices = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
         return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
                          context_indices, generation_logits)
+
+    def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
+        plan = StepPlan.from_batch(batch, self.block_size)
+        if plan.num_sampled != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for {plan.num_sampled} sampled sequences")
+        return plan
+
+    def inputs_from_plan(self, plan: StepPlan, rows: list[SamplingRow] | None,
+                         hooks: list[LogitsHook | None] | None = None,
+                         request_ids: list[int] | None = None,
+                         generation_logits: list[int] | None = None) -> StepInput:
+        """The step's device inputs from its plan: a staged CUDA graph step, or the metadata."""
+        num_sampled = plan.num_sampled
+        runner = self.graph_runner
+        if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
+            graph_step = runner.stage_plan(plan)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
+                             num_sampled)
+        input_ids: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
+        for tokens in plan.tokens:
+            if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
+                pending_dst.append(len(input_ids) + len(tokens) - 1)
+                pending_src.append(-1 - tokens[-1])
+                tokens = tokens[:-1] + [0]
+            if len(tokens) > 1 and min(tokens) < 0:
+                raise RuntimeError("a placeholder token before a row's last position")
+            input_ids.extend(tokens)
+        sampled_rows = [i for i, sampled in enumerate(plan.sampled) if sampled]
+        meta = StepMetadata.build(
+            [(start, len(tokens), table)
+             for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],
+            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
+            pending=(pending_dst, pending_src) if pending_dst else None)
+        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
+                         None, generation_logits, num_sampled)
 
     def _fits_graph(self, batch: SchedulerOutput) -> bool:
         """A decode step (one new token per row, every row sampled) within the captured sizes."""
@@ -275,14 +379,17 @@ class Worker:
             # logits buffer is overwritten by the next replay)
             rows = to_device(torch.tensor(step.generation_rows, dtype=torch.int64), self.device)
             kept = logits.index_select(0, rows)
-        hooks = step.logits_hooks
-        errors = apply_logits_hooks(logits, hooks, step.request_ids, step.sampling_rows) \
-            if hooks and any(hooks) else {}
-        sample = self.sampler.sample_on_device(logits, step.sampling_rows)
-        sample.errors = errors
-        if self.overlap:  # the next step may read them before the host has; a failed row's
-            # INVALID_TOKEN must never reach the embedding (its request is failed anyway)
-            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
+        try:
+            hooks = step.logits_hooks
+            errors = apply_logits_hooks(logits, hooks, step.request_ids, step.sampling_rows) \
+                if hooks and any(hooks) else {}
+            sample = self.sampler.sample_on_device(logits, step.sampling_rows)
+            sample.errors = errors
+            if self.overlap:  # the next step may read them before the host has; a failed row's
+                # INVALID_TOKEN must never reach the embedding (its request is failed anyway)
+                self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
+        finally:  # the other ranks wait for this broadcast even when sampling failed
+            self._share_sampled_ids(step.num_sampled)
         sample.generation_logits, sample.context_logits = kept, prompt_logits
         return sample.start_copy()
 
@@ -295,11 +402,28 @@ class Worker:
         for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
             cache.index_copy_(1, destination, cache.index_select(1, source))
 
+    def _share_sampled_ids(self, num_sampled: int) -> None:
+        """Tensor parallel, overlapped steps: rank 0's sampled ids into every rank's
+        `sampled_ids` (the next step's placeholder tokens read them on the device)."""
+        if self.overlap and self.tp.is_parallel and num_sampled:
+            self.tp.broadcast_from_leader(self.sampled_ids[:num_sampled])
+
+    def bind_thread(self) -> None:
+        """Makes this worker's GPU the calling thread's current device (CUDA graphs capture and
+        replay on the current device; with gpu_device_ids rank 0 need not be GPU 0)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (rank 0; idempotent). Nothing at tp=1."""
+        if self.ranks is not None:
+            self.ranks.stop()
+
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:
         kv = config.kv_cache_config
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        bytes_per_block = self.shard_config.kv_bytes_per_token(self.dtype) * self.block_size
         if self.device.type == "cuda":
             budget_bytes = int(cuda_memory_for_kv(self.device, peak_bytes) * kv.free_gpu_memory_fraction)
         else:
@@ -312,7 +436,7 @@ class Worker:
         if num_blocks < 1:
             raise RuntimeError(f"the KV cache budget ({budget_bytes} bytes) holds no block of "
                                f"{bytes_per_block} bytes; raise the memory budget")
-        return int(num_blocks)
+        return self.tp.min_over_ranks(int(num_blocks))  # rank 0 schedules what every rank holds
 
     def _profile_peak_memory(self, config: ExecutorConfig) -> int:
         """Peak bytes allocated on the device while running the largest step (weights included)."""
@@ -355,11 +479,15 @@ class Worker:
                                     generator=torch.Generator(self.device).manual_seed(i),
                                     return_log_probs=True))
         real_caches, runner = self.kv_caches, self.graph_runner
-        self.kv_caches = allocate_kv_caches(self.model_config, 1, self.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.shard_config, 1, self.block_size, self.dtype,
                                             self.device)
         self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:
-            self.execute(SchedulerOutput(scheduled), rows)
+            # Every rank runs its warm-up at once (no step message); rank 0 alone samples.
+            sample = self.run_plan(self._plan(SchedulerOutput(scheduled), rows),
+                                   rows if self.tp.is_leader else None)
+            if sample is not None:
+                sample.result()
         finally:
             self.kv_caches, self.graph_runner = real_caches, runner
 

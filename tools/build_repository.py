@@ -78,6 +78,10 @@ DEFAULTS = {
     "logits_datatype": "TYPE_FP32",
     "encoder_input_features_data_type": "TYPE_FP16",
     "prompt_embedding_table_data_type": "TYPE_FP16",
+    # Tensor parallelism: one rank (gpu_device_ids empty: GPUs 0..N-1; num_nodes: NVIDIA's key).
+    "tensor_parallel_size": "1",
+    "gpu_device_ids": "",
+    "num_nodes": "",
     # NVIDIA's keys for features this engine lacks; unset (see the templates).
     "encoder_engine_dir": "",
     "max_attention_window_size": "",
@@ -87,9 +91,7 @@ DEFAULTS = {
     "kv_cache_onboard_blocks": "",
     "enable_trt_overlap": "",
     "request_stats_max_iterations": "",
-    "gpu_device_ids": "",
     "participant_ids": "",
-    "num_nodes": "",
     "lora_cache_optimal_adapter_size": "",
     "lora_cache_max_adapter_size": "",
     "lora_cache_gpu_memory_fraction": "",

@@ -7,6 +7,9 @@
 #   bash tools/gpu_check.sh bench-full  # tools/bench_gpu.py --full alone (<= 9 min)
 #   bash tools/gpu_check.sh tests       # the first three stages alone (~5 min)
 #   bash tools/gpu_check.sh beam        # beam search on CUDA vs HF, next to greedy requests
+#   bash tools/gpu_check.sh tp          # tensor parallelism (tools/gpu_tp.py): greedy tp=2 == tp=1,
+#                                       # then Llama-3.1-8B shape tp=1 vs tp=2 (~4 min on one H100,
+#                                       # where tp=1 runs alone; ~8 min on 2 GPUs); gpu_tp.json
 #   bash tools/gpu_check.sh jit         # ~3 min: Triton compiles after start-up over a mixed
 #                                       # workload, 1B and 8B (must be 0), slowest step
 #   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
@@ -59,6 +62,10 @@ fi
 if [[ $what == all ]]; then
   stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
 fi
+if [[ $what == tp ]]; then
+  stage "tp: greedy tp=2 == tp=1" 240 tp_check.log $PY tools/gpu_tp.py --check --out "$OUT/tp_check"
+  stage "tp: 8B tp=1 vs tp=2" 330 tp_bench.log $PY tools/gpu_tp.py --bench --out "$OUT"
+fi
 if [[ $what == jit || $what == tune ]]; then
   stage "jit compiles after start-up" 280 jit.log $PY tools/bench_gpu_checks.py jit --out "$OUT"
 fi
@@ -81,6 +88,9 @@ fi
     echo "--- parity.log ---"
     grep -E '^(PARITY|BF16|SYNC|RESULT|    flagged)' "$OUT/parity.log"
   fi
+  for log in tp_check.log tp_bench.log; do
+    [[ -f $OUT/$log ]] && { echo "--- $log ---"; grep -vE '^\[tp rank' "$OUT/$log" | grep -E '^(  tp=|CHECK|  "batch|   "batch|.*NOT RUN|.*refused)' ; }
+  done
   if [[ -f $OUT/jit.log ]]; then
     echo "--- jit.log ---"
     grep -E '^(RESULT|==|  COMPILED|  [0-9a-z].*step)' "$OUT/jit.log"

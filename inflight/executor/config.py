@@ -112,6 +112,36 @@ class ExtendedRuntimePerfKnobConfig:
         return tuple(sizes[:self.cuda_graph_cache_size] if self.cuda_graph_cache_size else sizes)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans (TensorRT-LLM's `ParallelConfig`, LEADER mode).
+
+    `tensor_parallel_size` ranks split every layer (the LLM API's name; TensorRT-LLM's C++
+    executor reads it from the engine, which a Hugging Face folder does not carry).
+    `device_ids` are the CUDA ordinals of ranks 0..N-1 (pbtxt `gpu_device_ids`; None: 0..N-1).
+    The engine's process is rank 0 and starts the others itself (`inflight.distributed`).
+    """
+
+    tensor_parallel_size: int = 1
+    device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1,
+               f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.device_ids is not None:
+            ids = self.device_ids
+            _check(all(isinstance(i, int) and i >= 0 for i in ids),
+                   f"gpu_device_ids must be CUDA ordinals >= 0, got {list(ids)}")
+            _check(len(set(ids)) == len(ids), f"gpu_device_ids lists a GPU twice: {list(ids)}")
+            _check(len(ids) == self.tensor_parallel_size,
+                   f"gpu_device_ids lists {len(ids)} GPUs ({','.join(map(str, ids))}) but "
+                   f"tensor_parallel_size is {self.tensor_parallel_size}; list one GPU per rank")
+
+    def rank_device_ids(self) -> tuple[int, ...]:
+        """The CUDA ordinal of each rank."""
+        return self.device_ids if self.device_ids is not None else tuple(range(self.tensor_parallel_size))
+
+
 class GuidedDecodingBackend(enum.Enum):
     XGRAMMAR = "xgrammar"
 
@@ -192,6 +222,9 @@ class ExecutorConfig:
     # decoding) make those steps synchronous. TensorRT-LLM's PyTorch backend calls it
     # `disable_overlap_scheduler`.
     enable_overlap_scheduler: bool | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+
     # None: guided decoding off (a request that asks for it is refused). Requests with a guide
     # need their tokens on the host before the next step, so they make steps synchronous.
     guided_decoding_config: GuidedDecodingConfig | None = None
@@ -216,3 +249,10 @@ class ExecutorConfig:
                "attention_backend 'triton' needs a CUDA device, but device is 'cpu'")
         _check(not (self.device == "cpu" and self.extended_runtime_perf_knob_config.cuda_graph_mode),
                "cuda_graph_mode needs a CUDA device, but device is 'cpu'")
+        _check(not (self.parallel_config.tensor_parallel_size > 1 and self.device.startswith("cuda:")),
+               "with tensor_parallel_size > 1 the GPUs are chosen by gpu_device_ids, not device "
+               f"'{self.device}'; set device to auto or cuda")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallel_config.tensor_parallel_size

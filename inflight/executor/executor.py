@@ -127,6 +127,7 @@ class Executor:
             self._responses_ready.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            self.engine.close()
 
     @property
     def is_healthy(self) -> bool:
@@ -136,6 +137,9 @@ class Executor:
 
     def _loop(self) -> None:
         try:
+            bind_thread = getattr(self.engine.worker, "bind_thread", None)
+            if bind_thread is not None:  # the engine's GPU is this thread's current device
+                bind_thread()
             while True:
                 with self._lock:
                     self._wake.wait_for(lambda: self._shutdown or self._pending_cancels

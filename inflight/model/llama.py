@@ -10,6 +10,12 @@ RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
 Norms, rotary and the MLP activation go through `self.ops` (`inflight.model.ops`): plain torch
 with the torch attention backend, fused Triton kernels with the triton backend (which needs
 the packed projections, so it always gets them).
+
+Tensor parallelism (`tp`, see `inflight.model.sharding`): each rank builds the model of
+`shard_config` (its heads, KV heads and MLP channels) and holds its shard of the vocabulary;
+the partial sums of o_proj and down_proj are all-reduced (one all-reduce after attention, one
+after the MLP), the embedding is all-reduced and the logits all-gathered. With one rank those
+calls are no-ops.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inflight.distributed.group import TensorParallel
 from inflight.model.attention import AttentionBackend, get_attention_backend
 from inflight.model.config import ModelConfig
 from inflight.model.ops import TorchOps, select_ops
 from inflight.model.rotary import RotaryEmbedding
+from inflight.model.sharding import shard_config, vocab_shard_size
 from inflight.platform import lm_head_padded_rows
 
 
@@ -63,11 +71,30 @@ class PackedLinear(nn.Linear):
         return rows
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, start + num_embeddings) of the embedding; ids outside them
+    look up zeros, and the sum over the ranks is the full lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__(vocab_shard_size(vocab_size, tp.size), hidden_size)
+        self.tp = tp
+        self.start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = super().forward(local.masked_fill(outside, 0))  # [T, hidden]
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
-                 ops: TorchOps) -> None:
+                 ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -101,13 +128,15 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, pack_projections: bool, ops: TorchOps) -> None:
+    def __init__(self, config: ModelConfig, pack_projections: bool, ops: TorchOps,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.packed = pack_projections
         if pack_projections:
@@ -120,17 +149,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
-        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+            out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+        else:
+            gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
+            out = self.down_proj(gate.mul_(self.up_proj(x)))
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
-                 ops: TorchOps) -> None:
+                 ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, pack_projections, ops)
-        self.mlp = MLP(config, pack_projections, ops)
+        self.self_attn = Attention(config, backend, pack_projections, ops, tp)
+        self.mlp = MLP(config, pack_projections, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -150,10 +181,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
-                 ops: TorchOps) -> None:
+                 ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, pack_projections, ops)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        layer_config = shard_config(config, tp.size)
+        self.layers = nn.ModuleList(DecoderLayer(layer_config, backend, pack_projections, ops, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -168,19 +200,23 @@ class LlamaForCausalLM(nn.Module):
     hidden states; `attn_metadata` is `attention_backend.build_metadata(step)` for the step's
     `StepMetadata`. Select the rows to sample (e.g. `step.last_token_indices`) and call
     `compute_logits`. Positions must be < `max_position_embeddings` (the RoPE table's length).
+    With `tp` of several ranks every rank runs the same calls (see the module docstring);
+    `config` is the whole model's, and `kv_caches` are this rank's (`shard_config` heads).
     """
 
     def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "torch",
-                 pack_projections: bool = False) -> None:
+                 pack_projections: bool = False, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallel.single()
         backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
                    else get_attention_backend(attention_backend))
         self.attention_backend = backend
         self.ops = select_ops(backend.name)
         self.packed = pack_projections or self.ops.requires_packed_projections
-        self.model = LlamaModel(config, backend, self.packed, self.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, backend, self.packed, self.ops, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_shard_size(config.vocab_size, self.tp.size),
+                                 bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -206,11 +242,17 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden] -> logits [S, vocab] in float32 (written into `out` if given: a
         CUDA graph's static buffer, so the cast to fp32 is the copy into it)."""
         if out is not None:
-            return out.copy_(self.lm_head(hidden))
+            return out.copy_(self._gather_vocab(self.lm_head(hidden)))
         num_rows = hidden.shape[0]
         padded_rows = lm_head_padded_rows(num_rows, hidden.device, hidden.dtype)
         if padded_rows != num_rows:  # a faster GEMM shape on this platform; zero rows are free
             padded = hidden.new_zeros(padded_rows, hidden.shape[1])
             padded[:num_rows] = hidden
-            return self.lm_head(padded)[:num_rows].float()
-        return self.lm_head(hidden).float()
+            return self._gather_vocab(self.lm_head(padded)[:num_rows]).float()
+        return self._gather_vocab(self.lm_head(hidden)).float()
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard [S, V/tp] -> the whole vocabulary [S, V] on every rank."""
+        if not self.tp.is_parallel:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]

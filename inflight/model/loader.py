@@ -3,6 +3,10 @@
 The model is constructed on the `meta` device (no memory, no random init), then each tensor
 from the `*.safetensors` files is cast and moved straight to its final device, so peak host
 memory stays about one tensor above the model's size.
+
+With tensor parallelism each rank reads only its shard of every tensor (safetensors'
+`get_slice`: the file's bytes of the other ranks' rows or columns are never touched), as
+`inflight.model.sharding.shard_for` decides from the tensor's name.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from inflight.distributed.group import TensorParallel
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM, PackedLinear
+from inflight.model.sharding import Shard, check_divisible, shard_for
 from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
 # Checkpoint entries that are derived state, not weights (old Llama exports carry these).
@@ -93,24 +99,62 @@ def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
     return out.contiguous()
 
 
-def _checkpoint_tensors(model_dir: Path, weights: MutableMapping[str, torch.Tensor] | None
-                        ) -> Iterator[tuple[str, str, object]]:
+def _take(source, shape: tuple[int, ...], shard: Shard | None, rank: int) -> torch.Tensor:
+    """`shard` of a tensor: `source` is the tensor or a safetensors slice (indexing it reads
+    only those bytes)."""
+    if shard is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    if shard.zeros_off_leader:
+        if rank == 0:
+            return source if isinstance(source, torch.Tensor) else source[:]
+        return torch.zeros(shape, dtype=_dtype_of(source))
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)
+    part = source[index]
+    if isinstance(source, torch.Tensor):  # a view would keep the whole tensor's memory alive
+        part = part.clone(memory_format=torch.contiguous_format)
+    if shard.pad_to > shard.length:  # the last vocabulary shard: zero rows up to its size
+        pad = list(part.shape)
+        pad[shard.dim] = shard.pad_to - shard.length
+        part = torch.cat([part, part.new_zeros(pad)], dim=shard.dim)
+    return part
+
+
+def _dtype_of(source) -> torch.dtype:
+    if isinstance(source, torch.Tensor):
+        return source.dtype
+    return getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+                   .get(source.get_dtype(), "float32"))
+
+
+def _checkpoint_tensors(model_dir: Path, weights: MutableMapping[str, torch.Tensor] | None,
+                        tp: TensorParallel) -> Iterator[tuple[str, str, object]]:
     """(name, where, tensor getter) for every tensor of the checkpoint files, or of `weights`
-    (popped one by one, so their memory is released as the model takes it over)."""
+    (popped one by one, so their memory is released as the model takes it over). The getter
+    returns this rank's shard."""
+    def getter(name, source_of):
+        def get():
+            source = source_of()
+            shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+            return _take(source, shape, shard_for(name, shape, tp.rank, tp.size), tp.rank)
+        return get
+
     if weights is not None:
         for name in list(weights):
-            yield name, "weights", lambda name=name: weights.pop(name)
+            yield name, "weights", getter(name, lambda name=name: weights.pop(name))
         return
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, path.name, lambda name=name, f=f: f.get_tensor(name)
+                if tp.size == 1:
+                    yield name, path.name, lambda name=name, f=f: f.get_tensor(name)
+                else:
+                    yield name, path.name, getter(name, lambda name=name, f=f: f.get_slice(name))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
                attention_backend: str = "torch",
-               weights: MutableMapping[str, torch.Tensor] | None = None
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+               weights: MutableMapping[str, torch.Tensor] | None = None,
+               tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
 
     The tensors come from the folder's safetensors files, or from `weights` (HF names, e.g. a
@@ -120,18 +164,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     Whether q/k/v and gate/up are packed follows `platform.packs_projections(device)`; either
     way every checkpoint tensor is checked by its HF name and shape. Raises ValueError naming
     the tensors when the checkpoint lacks a model tensor, carries one the model does not have,
-    or has a shape that does not match the config.
+    or has a shape that does not match the config. With `tp` of several ranks, loads this
+    rank's shards (shapes are checked per shard); ConfigError if the head counts do not divide.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
+    tp = tp or TensorParallel.single()
+    check_divisible(config, tp.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend, pack_projections=packs_projections(device))
+        model = LlamaForCausalLM(config, attention_backend, pack_projections=packs_projections(device),
+                                 tp=tp)
     expected = checkpoint_layout(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, where, get_tensor in _checkpoint_tensors(model_dir, weights):
+    for name, where, get_tensor in _checkpoint_tensors(model_dir, weights, tp):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:

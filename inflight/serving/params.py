@@ -10,7 +10,8 @@ from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
 from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig,
                                       ExtendedRuntimePerfKnobConfig, GuidedDecodingBackend,
-                                      GuidedDecodingConfig, KvCacheConfig, SchedulerConfig)
+                                      GuidedDecodingConfig, KvCacheConfig, ParallelConfig,
+                                      SchedulerConfig)
 
 
 def get_str(params: dict[str, str], key: str, default: str) -> str:
@@ -72,6 +73,25 @@ def template_defaults() -> dict[str, str]:
     return {k.key: _render(k.default) for k in KNOBS}
 
 
+def parallel_config(params: dict[str, str]) -> ParallelConfig:
+    """`tensor_parallel_size`, `gpu_device_ids` ("0,1": NVIDIA's syntax; one group, as one model
+    instance owns every rank) and `num_nodes` (NVIDIA's key; only 1)."""
+    num_nodes = get_int(params, "num_nodes", 1)
+    if num_nodes != 1:
+        raise ConfigError(f"num_nodes {num_nodes}: one engine spans the GPUs of one machine; serve "
+                          "more machines with copies of the server behind a load balancer "
+                          "(docs/scale_out.md)")
+    text = params.get("gpu_device_ids", "").strip()
+    if ";" in text:
+        raise ConfigError(f"gpu_device_ids '{text}' lists several groups (';'); this model has one "
+                          "instance, which owns every rank: list its GPUs only, e.g. '0,1'")
+    try:
+        ids = tuple(int(i) for i in text.split(",")) if text else None
+    except ValueError:
+        raise ConfigError(f"gpu_device_ids must be comma-separated GPU ordinals, got '{text}'") from None
+    return ParallelConfig(get_int(params, "tensor_parallel_size", 1), ids)
+
+
 def executor_config(params: dict[str, str], max_queue_size: int | None = None) -> ExecutorConfig:
     batching = params.get("gpt_model_type", "inflight_fused_batching")
     if batching not in ("inflight_fused_batching", "inflight_batching", "V1"):
@@ -101,6 +121,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         device=params.get("device", "auto"),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
+        parallel_config=parallel_config(params),
         guided_decoding_config=guided_decoding_config(params),
         **_knob_fields(ExecutorConfig, params),
     )
@@ -129,8 +150,8 @@ def guided_decoding_config(params: dict[str, str]) -> GuidedDecodingConfig | Non
 # so NVIDIA's fill_template commands work, and a value set for one has no effect.
 IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_length",
                 "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
-                "enable_trt_overlap", "request_stats_max_iterations", "gpu_device_ids", "participant_ids",
-                "num_nodes", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                "enable_trt_overlap", "request_stats_max_iterations", "participant_ids",
+                "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
                 "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
                 "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
                 "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",

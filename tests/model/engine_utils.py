@@ -39,7 +39,9 @@ def shared_weights() -> Iterator[None]:
     cache: dict = {}
     real_load = inflight.worker.load_model
 
-    def cached_load(model_dir, dtype, device, *args):
+    def cached_load(model_dir, dtype, device, *args, **kwargs):
+        if kwargs:  # a tensor-parallel rank's shards (tp=...) or in-memory weights: not shared
+            return real_load(model_dir, dtype, device, *args, **kwargs)
         key = (str(Path(model_dir).resolve()), dtype, str(device), *args)
         if key not in cache:
             cache[key] = real_load(model_dir, dtype, device, *args)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ensemble.errors import ConfigError
-from inflight.executor.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig
+from inflight.executor.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, ParallelConfig
 from inflight.serving import params
 from inflight.serving.params import KNOBS, template_defaults
 
@@ -89,3 +89,20 @@ def test_bad_knobs_fail_with_the_parameter_named(values, message):
 def test_cuda_graph_batch_size_buckets(max_batch_size, cache_size, sizes):
     knobs = ExtendedRuntimePerfKnobConfig(cuda_graph_mode=True, cuda_graph_cache_size=cache_size)
     assert knobs.cuda_graph_batch_sizes(max_batch_size) == sizes
+
+
+def test_tensor_parallel_keys():
+    config = params.executor_config({"tensor_parallel_size": "2", "gpu_device_ids": "2,3",
+                                     "num_nodes": "1"})
+    assert config.parallel_config == ParallelConfig(2, (2, 3))
+    assert config.tensor_parallel_size == 2
+    assert params.executor_config({}).parallel_config == ParallelConfig(1, None)
+    for values, message in (
+            ({"tensor_parallel_size": "2", "gpu_device_ids": "0"}, "lists 1 GPUs .* tensor_parallel_size is 2"),
+            ({"gpu_device_ids": "0,1;2,3", "tensor_parallel_size": "2"}, "several groups"),
+            ({"gpu_device_ids": "a,b"}, "comma-separated GPU ordinals"),
+            ({"num_nodes": "2"}, "copies of the server"),
+            ({"tensor_parallel_size": "0"}, "tensor_parallel_size must be >= 1"),
+            ({"tensor_parallel_size": "2", "device": "cuda:1"}, "chosen by gpu_device_ids")):
+        with pytest.raises(ConfigError, match=message):
+            params.executor_config(values)

@@ -1,0 +1,138 @@
+"""The tensor-parallel group of one engine: its ranks, its collectives, its control channel.
+
+Two process groups over the same ranks:
+- `device_group` carries the model's collectives on the model's device (NCCL on CUDA, so
+  they are captured into the decode CUDA graphs; gloo on the CPU);
+- `cpu_group` (gloo) carries rank 0's step messages: small int64 host tensors
+  (`inflight.step_plan.StepPlan.pack`), never pickled Python objects.
+
+With one rank there is no group at all (`TensorParallel.single()`): every collective is the
+identity, so tp=1 runs exactly the code it ran before tensor parallelism existed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for a peer before it fails (start-up included: a rank
+# loading a 70B shard from a network disk takes minutes). INFLIGHT_TP_TIMEOUT_S overrides.
+DEFAULT_TIMEOUT_S = 1800
+
+# Step messages: a header [kind, payload length] then the payload.
+MSG_STEP = 1
+MSG_STOP = 2
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the rendezvous of the engine's ranks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("INFLIGHT_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in the engine's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    device_group: Any = None
+    cpu_group: Any = None
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls()
+
+    @classmethod
+    def init(cls, rank: int, size: int, port: int, device: torch.device) -> "TensorParallel":
+        """Joins the rendezvous on 127.0.0.1:`port` as `rank` of `size` (blocks until all have)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size, timeout=_timeout(), **kwargs)
+        device_group = dist.group.WORLD
+        cpu_group = dist.new_group(backend="gloo", timeout=_timeout()) if backend == "nccl" else device_group
+        logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, device, backend)
+        return cls(rank, size, device_group, cpu_group)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # ----- the model's collectives (inside CUDA graphs on CUDA) -------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N] per rank -> [..., size * N], rank r's block at columns r*N..(r+1)*N."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if x.is_cuda:
+            out = x.new_empty((self.size, *x.shape))  # one NCCL call: [size, ..., N]
+            dist.all_gather_into_tensor(out, x, group=self.device_group)
+            parts = out.unbind(0)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_from_leader(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (device group; in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
+    # ----- host-side control ----------------------------------------------------------------
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (start-up: KV blocks every rank can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def send_message(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        """Rank 0: a message to every other rank (int64 header, then the int64 payload)."""
+        n = 0 if payload is None else payload.numel()
+        dist.broadcast(torch.tensor([kind, n], dtype=torch.int64), src=0, group=self.cpu_group)
+        if n:
+            dist.broadcast(payload, src=0, group=self.cpu_group)
+
+    def receive_message(self) -> tuple[int, torch.Tensor | None]:
+        """Other ranks: the next message of rank 0 (blocks)."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.cpu_group)
+        kind, n = int(header[0]), int(header[1])
+        payload = None
+        if n:
+            payload = torch.empty(n, dtype=torch.int64)
+            dist.broadcast(payload, src=0, group=self.cpu_group)
+        return kind, payload
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,170 @@
+"""Starting and stopping the engine's tensor-parallel ranks; the other ranks' step loop.
+
+The process that builds the engine (the Triton model instance, or its engine process) is
+rank 0: it holds the scheduler and samples. `start_ranks` spawns ranks 1..N-1 with
+torch.multiprocessing (spawn: no CUDA state is inherited), and every rank meets at a
+rendezvous on a free loopback port. Each other rank builds its own `Worker` (its shard of the
+weights, its KV heads, its CUDA graphs) and then loops in `follow`: receive rank 0's step
+message (`StepPlan`, int64), run the same model step, join the collectives. Rank 0 stops them
+with a stop message (`Ranks.stop`), at shutdown or when the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from ensemble.errors import ConfigError
+from inflight.distributed.group import MSG_STEP, MSG_STOP, TensorParallel, free_loopback_port
+from inflight.executor.config import ExecutorConfig
+from inflight.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 30
+
+
+def rank_device(config: ExecutorConfig, rank: int) -> torch.device:
+    """The device rank `rank` runs on: the CPU (gloo) or its GPU of `gpu_device_ids`."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", config.parallel_config.rank_device_ids()[rank])
+
+
+def check_devices(config: ExecutorConfig) -> None:
+    """ConfigError when the GPUs the ranks are to run on are not there."""
+    device = rank_device(config, 0)
+    if device.type != "cuda":
+        return
+    ids = config.parallel_config.rank_device_ids()
+    visible = torch.cuda.device_count()
+    missing = [i for i in ids if i >= visible]
+    if missing:
+        raise ConfigError(
+            f"tensor_parallel_size {config.tensor_parallel_size} runs on GPUs "
+            f"{','.join(map(str, ids))} (gpu_device_ids) but this process sees {visible} GPU(s)"
+            f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"GPU(s) {','.join(map(str, missing))} are not there")
+
+
+def _python_executable() -> str:
+    """The interpreter for spawned ranks. Inside a Triton python stub `sys.executable` may be
+    the stub binary; its environment's python is under `sys.prefix`."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    candidate = Path(sys.prefix) / "bin" / "python3"
+    return str(candidate) if candidate.exists() else "python3"
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks' processes."""
+
+    def __init__(self, tp: TensorParallel, processes: list) -> None:
+        self.tp = tp
+        self.processes = processes
+        self._stopped = False
+        self._lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def send_step(self, plan: StepPlan) -> None:
+        self.tp.send_message(MSG_STEP, plan.pack())
+
+    def kill(self) -> None:
+        """Ends the other ranks at once (rank 0's start-up failed: they cannot be told)."""
+        with self._lock:
+            self._stopped = True
+        for p in self.processes:
+            p.kill()
+            p.join()
+
+    def stop(self) -> None:
+        """Tells the other ranks to exit and waits for them (idempotent)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            if all(p.is_alive() for p in self.processes):
+                self.tp.send_message(MSG_STOP)
+        except Exception:  # a rank is gone: the group is broken; the processes are ended below
+            logger.exception("could not send the stop message to the tensor-parallel ranks")
+        for p in self.processes:
+            p.join(_STOP_TIMEOUT_S)
+            if p.is_alive():
+                logger.error("tensor-parallel rank (pid %d) did not stop; killing it", p.pid)
+                p.kill()
+                p.join()
+        self.tp.close()
+
+
+def start_ranks(model_dir: str, config: ExecutorConfig) -> tuple[TensorParallel, Ranks]:
+    """Spawns ranks 1..N-1 and joins the group as rank 0 (blocks until every rank has)."""
+    size = config.tensor_parallel_size
+    check_devices(config)
+    port = free_loopback_port()
+    ctx = mp.get_context("spawn")
+    ctx.set_executable(_python_executable())
+    processes = []
+    for rank in range(1, size):
+        p = ctx.Process(target=_rank_main, args=(rank, size, port, model_dir, config),
+                        name=f"inflight-tp-rank{rank}", daemon=True)
+        p.start()
+        processes.append(p)
+    try:
+        tp = TensorParallel.init(0, size, port, rank_device(config, 0))
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
+    _watch(processes)
+    return tp, Ranks(tp, processes)
+
+
+def _watch(processes: list) -> None:
+    """Logs a rank that dies: rank 0's next collective then fails (gloo at once, NCCL at its
+    timeout), which fails the engine instead of hanging it silently."""
+    def watch(p):
+        p.join()
+        if p.exitcode not in (0, None):
+            logger.error("tensor-parallel rank process %s (pid %d) exited with code %s",
+                         p.name, p.pid, p.exitcode)
+    for p in processes:
+        threading.Thread(target=watch, args=(p,), name=f"watch-{p.name}", daemon=True).start()
+
+
+def _rank_main(rank: int, size: int, port: int, model_dir: str, config: ExecutorConfig) -> None:
+    """Entry point of a spawned rank: join, build the worker, follow rank 0 until stopped."""
+    from inflight.worker import Worker  # after the spawn: the parent's modules are not ours
+
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = TensorParallel.init(rank, size, port, device)
+    try:
+        worker = Worker(model_dir, config, tp=tp)
+        follow(worker)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        # Exit now, without a graceful teardown (which would wait for peers): the closed sockets
+        # make rank 0's next message or collective fail at once instead of waiting it out.
+        os._exit(1)
+    tp.close()
+
+
+def follow(worker) -> None:
+    """A non-leader rank's loop: run every step rank 0 sends, until it sends stop."""
+    while True:
+        kind, payload = worker.tp.receive_message()
+        if kind == MSG_STOP:
+            return
+        if kind != MSG_STEP:
+            raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
+        worker.run_plan(StepPlan.unpack(payload))

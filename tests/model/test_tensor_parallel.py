@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU: two gloo ranks against one, on tiny random checkpoints.
+
+The tp=2 engine is the real thing: rank 0 is this process (scheduler, sampler), rank 1 a
+spawned process that loads its shards with safetensors' get_slice and follows rank 0's step
+messages. Greedy tokens must equal tp=1's; the chosen tokens' log probs may differ only by
+fp32 summation order (the all-reduces add the ranks' partial sums in another order), bounded
+by `tolerances.fp32_noise_bound`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ensemble.errors import ConfigError
+from inflight.distributed.launch import check_devices
+from inflight.engine import EngineFatalError, LLMEngine
+from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig
+from inflight.model.config import ModelConfig
+from inflight.model.sharding import Shard, check_divisible, shard_for
+from inflight.step_plan import StepPlan
+from tests.model.checkpoints import TINY_COMMON
+from tests.model.engine_utils import assert_kv_idle, final, gen_request, output_tokens, run
+from tests.model.tolerances import fp32_noise_bound
+
+KV = KvCacheConfig(max_tokens=2048, tokens_per_block=8)
+PROMPTS = [[5, 17, 42, 99, 7, 310], [1, 2, 3], list(range(20, 61)), [450, 8]]
+MAX_TOKENS = [12, 9, 14, 6]
+
+
+def _engine(path, tp: int, **config) -> LLMEngine:
+    return LLMEngine.from_dir(path, ExecutorConfig(
+        dtype="float32", device="cpu", kv_cache_config=KV, max_batch_size=8, max_num_tokens=64,
+        enable_chunked_context=True, parallel_config=ParallelConfig(tp), **config))
+
+
+def _generate(engine: LLMEngine):
+    requests = [gen_request(p, n, return_log_probs=True, streaming=i % 2 == 0)
+                for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+    responses = run(engine, requests)
+    tokens = [output_tokens(r) for r in responses]
+    log_probs = [[lp for resp in r for lp in resp.result.log_probs[0]] for r in responses]
+    return tokens, log_probs
+
+
+def _tiny_llama(path) -> None:
+    """One checkpoint that exercises every sharding rule: q/k/v, o_proj and MLP biases (the
+    row-parallel biases are added once), tied embeddings, and a vocabulary of 501 (the last
+    vocabulary shard is padded)."""
+    cfg = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 501}, attention_bias=True,
+                                   mlp_bias=True, tie_word_embeddings=True)
+    torch.manual_seed(99)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits biases to 0: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+
+
+def test_tp2_matches_tp1(tmp_path):
+    _tiny_llama(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    want_tokens, want_lp = _generate(_engine(tmp_path, 1))
+    engine = _engine(tmp_path, 2)
+    try:
+        assert engine.worker.tp.size == 2 and engine.worker.shard_config.num_key_value_heads == 1
+        got_tokens, got_lp = _generate(engine)
+        assert got_tokens == want_tokens
+        # Log probs are of the order of log(vocab); the bound is fp32 noise over the depth.
+        bound = fp32_noise_bound(config.num_hidden_layers, config.hidden_size, 10.0)
+        for got, want in zip(got_lp, want_lp):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0.0, atol=bound)
+        # A bad step on rank 0 (a logits hook raising) fails its request; the ranks stay paired.
+        def bad_hook(request_id, token_ids, logits):
+            raise ValueError("boom")
+        bad, good = run(engine, [gen_request(PROMPTS[0], 4, logits_processor=bad_hook),
+                                 gen_request(PROMPTS[1], MAX_TOKENS[1])])
+        assert "boom" in final(bad).error_msg
+        assert_kv_idle(engine)
+        assert _generate(engine)[0] == want_tokens
+        # A rank that fails (here: a message it cannot read) exits at once, and the engine stops
+        # at its next step instead of waiting on the rank (no hang, no half-served steps).
+        rank1 = engine.worker.ranks.processes[0]
+        engine.worker.tp.send_message(99)
+        rank1.join(timeout=120)
+        assert rank1.exitcode == 1
+        engine.add_request(gen_request(PROMPTS[0], 4))
+        with pytest.raises(EngineFatalError, match="tensor-parallel rank is gone"):
+            engine.step()
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.worker.ranks.processes)
+
+
+def test_sharding_rules():
+    assert shard_for("model.layers.0.self_attn.q_proj.weight", (8, 4), 1, 2) == Shard(0, 4, 4)
+    assert shard_for("model.layers.0.mlp.up_proj.bias", (6,), 0, 2) == Shard(0, 0, 3)
+    assert shard_for("model.layers.0.mlp.down_proj.weight", (4, 6), 1, 2) == Shard(1, 3, 3)
+    assert shard_for("model.layers.0.self_attn.o_proj.bias", (4,), 1, 2).zeros_off_leader
+    assert shard_for("lm_head.weight", (501, 4), 1, 2) == Shard(0, 251, 250, pad_to=251)
+    assert shard_for("model.norm.weight", (4,), 1, 2) is None
+    assert shard_for("model.layers.0.self_attn.q_proj.weight", (8, 4), 0, 1) is None
+
+
+def test_heads_that_do_not_divide_are_refused():
+    config = ModelConfig.from_hf_dict({**TINY_COMMON, "architectures": ["LlamaForCausalLM"]})
+    check_divisible(config, 2)
+    with pytest.raises(ConfigError,
+                       match="tensor_parallel_size 4 does not divide the model's 2 key/value heads"):
+        check_divisible(config, 4)
+
+
+def test_missing_gpus_are_refused():
+    config = ExecutorConfig(device="cuda", parallel_config=ParallelConfig(2, (0, 7)))
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has 8 GPUs")
+    with pytest.raises(ConfigError, match=r"GPUs 0,7 \(gpu_device_ids\) but this process sees"):
+        check_devices(config)
+    with pytest.raises(ConfigError, match="lists 1 GPUs"):
+        ParallelConfig(2, (0,))
+
+
+def test_step_plan_round_trip():
+    plan = StepPlan(starts=[0, 40, 7], tokens=[[5, 6, 7], [-2], [9]], sampled=[True, True, False],
+                    block_tables=[[3], [1, 4, 8, 2, 6, 11], [0]], block_size=8)
+    assert StepPlan.unpack(plan.pack()) == plan
+    # Rank 0 holds the sequences' whole tables; only the blocks the step reads are sent.
+    longer = StepPlan(plan.starts, plan.tokens, plan.sampled, [[3, 9], [1, 4, 8, 2, 6, 11, 5], [0, 1]], 8)
+    assert StepPlan.unpack(longer.pack()) == plan
+    assert StepPlan.unpack(StepPlan([], [], [], [], 8).pack()).num_rows == 0

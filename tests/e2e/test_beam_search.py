@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.e2e.server import collect
 from tests.e2e.test_nvidia_compat import PROMPT, stream_once, text_inputs
 
 pytestmark = pytest.mark.e2e
@@ -57,15 +58,20 @@ def test_tensorrt_llm_answers_beams_in_nvidia_shapes(server):
     assert len(reply["text_output"]) == BEAMS and all(t.startswith(PROMPT) for t in reply["text_output"])
 
 
-def test_a_cancelled_beam_stream_frees_every_beam_block(server):
+def test_a_stopped_beam_stream_ends_and_frees_every_beam_block(server):
     client, results = server.open_stream()
     try:
         server.send(client, {"text_input": PROMPT, "max_tokens": 200, "stream": True, "beam_width": 3},
-                    request_id="beam-cancel")
+                    request_id="beam-stop")
         result, error = results.get(timeout=120)  # the beams are running
         assert error is None and result.as_numpy("text_output").shape == (3,)
-        client.stop_stream(cancel_requests=True)
+        one = np.ones((1, 1), dtype=np.int32)  # NVIDIA's stop request, by request id
+        stop = server.stream({"input_ids": one, "input_lengths": one, "request_output_len": one,
+                              "stop": np.array([[True]])}, model="tensorrt_llm", request_id="beam-stop")
+        assert stop.error is None, stop.error
+        assert collect(results, timeout_s=60).error is None  # the stream still ends, finally
     finally:
+        client.stop_stream(cancel_requests=True)
         client.close()
     metrics = server.wait_idle(timeout_s=60)
     assert metrics[("nv_trt_llm_request_metrics", "active")] == 0, metrics

@@ -1,0 +1,83 @@
+"""Which ensemble streams did their client abandon? Inferred from the detokenizer's acks.
+
+Triton tells the engine model nothing when a client cancels an ensemble request: the
+cancellation reaches only the steps the ensemble creates afterwards, i.e. the `postprocessing`
+requests of the next chunks, and the dynamic batcher drops those before `execute`. What the
+engine model can see is which of its chunks the detokenizer processed: `postprocessing`
+acknowledges, every few tens of milliseconds, how many chunks of each stream (named by its
+request key) it has decoded so far, and whether it has been idle (`drained_before`).
+
+Two facts then prove a chunk was dropped, i.e. its stream was cancelled:
+* order: chunks reach the detokenizer's queue in the order this model sent them (one thread
+  sends; in Triton 2.51 the ensemble enqueues the next step before the send returns), and one
+  instance with a FIFO dynamic batcher decodes them in that order, skipping only the dropped
+  ones. So once a chunk sent later has been acknowledged, an earlier unacknowledged one was
+  dropped;
+* quiet: if the detokenizer started no execute since `drained_before` (a time on the machine's
+  monotonic clock, which all processes share), every chunk sent before then was decoded, and
+  so acknowledged, or dropped.
+
+Only streams acknowledged at least once are judged: a stream whose first chunk never arrived
+may be a client talking to `tensorrt_llm` directly (no detokenizer), whom nothing acknowledges.
+The price: a stream cancelled before its first chunk reaches the detokenizer runs to its end.
+Not thread-safe: the request table holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Stream:
+    unacked: deque = field(default_factory=deque)  # (sequence number, send time) of each chunk
+    num_acked: int = 0
+    is_tracked: bool = False  # acknowledged at least once: the detokenizer consumes it
+    is_exempt: bool = False  # its first chunk was passed over unacknowledged: not judged
+
+
+class DeliveryTracker:
+    def __init__(self) -> None:
+        self._streams: dict[int, _Stream] = {}
+        self._next_seq = 0
+        self._high_water = 0  # highest sequence number acknowledged
+        self._drained_before = float("-inf")
+
+    def sent(self, key: int, now_s: float) -> None:
+        """A chunk of stream `key` was handed to Triton (the send returned)."""
+        self._next_seq += 1
+        stream = self._streams.setdefault(key, _Stream())
+        if not stream.is_exempt:
+            stream.unacked.append((self._next_seq, now_s))
+
+    def forget(self, key: int) -> None:
+        self._streams.pop(key, None)
+
+    def acked(self, counts: dict[int, int], drained_before: float | None = None) -> list[int]:
+        """Take one acknowledgement (key → chunks decoded so far); return the keys of streams
+        whose chunks were dropped."""
+        for key, count in counts.items():
+            stream = self._streams.get(key)
+            if stream is None:
+                continue
+            stream.is_tracked = True
+            while stream.num_acked < count and stream.unacked:
+                stream.num_acked += 1
+                self._high_water = max(self._high_water, stream.unacked.popleft()[0])
+        if drained_before is not None:
+            self._drained_before = max(self._drained_before, drained_before)
+        dropped = []
+        for key, stream in self._streams.items():
+            if not stream.unacked:
+                continue
+            seq, sent_s = stream.unacked[0]
+            if seq < self._high_water or sent_s < self._drained_before:
+                if stream.is_tracked:
+                    dropped.append(key)
+                else:
+                    stream.is_exempt = True
+                    stream.unacked.clear()
+        for key in dropped:
+            del self._streams[key]
+        return dropped

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Chunk:
+    seq: int
+    sent_s: float = float("inf")  # when its send returned; +inf while it is being sent
+
+
+@dataclass
 class _Stream:
-    unacked: deque = field(default_factory=deque)  # (sequence number, send time) of each chunk
+    unacked: deque = field(default_factory=deque)  # Chunks
     num_acked: int = 0
     is_tracked: bool = False  # acknowledged at least once: the detokenizer consumes it
     is_exempt: bool = False  # its first chunk was passed over unacknowledged: not judged
@@ -44,12 +50,30 @@ class DeliveryTracker:
         self._high_water = 0  # highest sequence number acknowledged
         self._drained_before = float("-inf")
 
-    def sent(self, key: int, now_s: float) -> None:
-        """A chunk of stream `key` was handed to Triton (the send returned)."""
+    def open(self, key: int) -> None:
+        """Start tracking a stream (its request was admitted); `forget` ends it."""
+        self._streams[key] = _Stream()
+
+    def sending(self, key: int) -> Chunk:
+        """A chunk of stream `key` is about to be sent. Numbered before the send, since the
+        detokenizer may acknowledge it before the send returns; then `sent` or `unsent`.
+        Chunks of streams not open (the last one, sent after `forget`) only take a number."""
         self._next_seq += 1
-        stream = self._streams.setdefault(key, _Stream())
-        if not stream.is_exempt:
-            stream.unacked.append((self._next_seq, now_s))
+        chunk = Chunk(self._next_seq)
+        stream = self._streams.get(key)
+        if stream is not None and not stream.is_exempt:
+            stream.unacked.append(chunk)
+        return chunk
+
+    @staticmethod
+    def sent(chunk: Chunk, now_s: float) -> None:
+        chunk.sent_s = now_s
+
+    def unsent(self, key: int, chunk: Chunk) -> None:
+        """The send failed: the chunk never reached Triton."""
+        stream = self._streams.get(key)
+        if stream is not None and chunk in stream.unacked:
+            stream.unacked.remove(chunk)
 
     def forget(self, key: int) -> None:
         self._streams.pop(key, None)
@@ -64,15 +88,15 @@ class DeliveryTracker:
             stream.is_tracked = True
             while stream.num_acked < count and stream.unacked:
                 stream.num_acked += 1
-                self._high_water = max(self._high_water, stream.unacked.popleft()[0])
+                self._high_water = max(self._high_water, stream.unacked.popleft().seq)
         if drained_before is not None:
             self._drained_before = max(self._drained_before, drained_before)
         dropped = []
         for key, stream in self._streams.items():
             if not stream.unacked:
                 continue
-            seq, sent_s = stream.unacked[0]
-            if seq < self._high_water or sent_s < self._drained_before:
+            first = stream.unacked[0]
+            if first.seq < self._high_water or first.sent_s < self._drained_before:
                 if stream.is_tracked:
                     dropped.append(key)
                 else:

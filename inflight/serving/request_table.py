@@ -106,6 +106,7 @@ class RequestTable:
                 rows.append((stub_id, request))
             self.by_user_id.setdefault(user_id, set()).add(pending)
             self.by_key[pending.key] = pending
+            self.delivery.open(pending.key)
             try:
                 self.engine.submit(rows)  # under the lock: a stop right after finds the rows
             except Exception:
@@ -227,9 +228,15 @@ class RequestTable:
                 self.sink.send_final(pending.sender)
         else:
             tensors = convert.response_tensors(response, pending.rows[stub_id])
-            self.sink.send_tensors(pending.sender, tensors, final=is_last)
             with self.lock:
-                self.delivery.sent(pending.key, time.monotonic())
+                chunk = self.delivery.sending(pending.key)
+            try:
+                self.sink.send_tensors(pending.sender, tensors, final=is_last)
+            except Exception:
+                with self.lock:
+                    self.delivery.unsent(pending.key, chunk)
+                raise
+            self.delivery.sent(chunk, time.monotonic())
 
     def _forget(self, pending: Pending) -> None:
         """Drop a request from the indexes; the caller holds `lock`."""

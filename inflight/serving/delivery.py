@@ -78,6 +78,17 @@ class DeliveryTracker:
     def forget(self, key: int) -> None:
         self._streams.pop(key, None)
 
+    def is_waiting(self, key: int) -> bool:
+        """Does the detokenizer still hold a chunk of this (acknowledged) stream?"""
+        stream = self._streams.get(key)
+        return stream is not None and stream.is_tracked and bool(stream.unacked)
+
+    def is_behind(self, now_s: float, lag_s: float) -> bool:
+        """Has a chunk waited at the detokenizer for more than `lag_s` (acknowledgements take
+        up to their period to come, so `lag_s` must be longer)?"""
+        return any(st.is_tracked and st.unacked and st.unacked[0].sent_s < now_s - lag_s
+                   for st in self._streams.values())
+
     def acked(self, counts: dict[int, int], drained_before: float | None = None) -> list[int]:
         """Take one acknowledgement (key → chunks decoded so far); return the keys of streams
         whose chunks were dropped."""

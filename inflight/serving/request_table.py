@@ -10,6 +10,13 @@ Send what is ready: `respond` takes every event waiting, merges the consecutive 
 of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
 sends at most one response per row, all rows of those engine steps together. A stream that
 fell behind gets one response with all its new tokens.
+
+Keep the detokenizer's queue short: each chunk costs one `postprocessing` execute (Triton 2.51
+cannot batch them safely, see its config.pbtxt). When the detokenizer is behind (a chunk has
+waited there longer than `BEHIND_S`, known from its acknowledgements), a stream that still has
+a chunk waiting there keeps its new tokens here, merged, until that chunk is decoded. So the
+number of chunks adapts to what the detokenizer can take, and no token waits for more than one
+turn of its queue. Final responses and errors are never held.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from inflight.serving.delivery import DeliveryTracker
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
 _REJECTION_CODES = {wire.QUEUE_FULL: UNAVAILABLE, wire.INVALID: INVALID_ARG}
+BEHIND_S = 0.15  # > the detokenizer's acknowledgement period (postprocessing/1/model.py)
+HELD_POLL_S = 0.005  # how often held streams are looked at again
 DEAD_MESSAGE = "the engine has stopped and the model is being unloaded; see the server log"
 
 
@@ -89,6 +98,7 @@ class RequestTable:
         self.drain = drain.Drain()
         self.dead_message: str | None = None
         self.latest_stats = None
+        self.held: dict[int, list[Response]] = {}  # stub id -> responses kept back (responder)
 
     # ----- requests in ---------------------------------------------------------------------
 
@@ -168,9 +178,9 @@ class RequestTable:
 
     def respond(self, timeout_s: float) -> None:
         """Take every engine event waiting (or wait up to `timeout_s` for one) and send."""
-        by_row: dict[int, list[Response]] = {}
+        by_row, self.held = self.held, {}
         dead = None
-        for event in self.engine.receive(timeout_s):
+        for event in self.engine.receive(min(timeout_s, HELD_POLL_S) if by_row else timeout_s):
             if event[0] == "step":
                 for stub_id, response in event[1]:
                     by_row.setdefault(stub_id, []).append(response)
@@ -180,12 +190,24 @@ class RequestTable:
                 self._reject(event[1], _REJECTION_CODES.get(event[2], INTERNAL), event[3])
             elif event[0] == "dead":
                 dead = event[1]
+        with self.lock:
+            is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
         for stub_id, responses in by_row.items():
             for response in merge(responses):
-                self._deliver(stub_id, response)
+                if is_behind and self._may_wait(stub_id, response):
+                    self.held.setdefault(stub_id, []).append(response)
+                else:
+                    self._deliver(stub_id, response)
         if dead is not None:
             self.dead_message = dead
             self.fail_all(dead, INTERNAL)
+
+    def _may_wait(self, stub_id: int, response: Response) -> bool:
+        if response.has_error() or response.result.is_final:
+            return False
+        with self.lock:
+            pending = self.by_stub_id.get(stub_id)
+            return pending is not None and self.delivery.is_waiting(pending.key)
 
     def _reject(self, stub_ids: list[int], code: str, message: str) -> None:
         with self.lock:

@@ -196,3 +196,28 @@ def test_wire_round_trip_of_requests_responses_and_stats():
     assert again.result == response.result
     stats = IterationStats(iter=3, num_active_requests=2)
     assert wire.stats_from_wire(wire.unpack(wire.pack(wire.stats_to_wire(stats)))) == stats
+
+
+def test_a_stream_waiting_at_a_slow_detokenizer_keeps_its_tokens_until_its_chunk_is_decoded(table, monkeypatch):
+    import inflight.serving.request_table as request_table
+
+    clock = [100.0]
+    monkeypatch.setattr(request_table.time, "monotonic", lambda: clock[0])
+    sender, [row] = add(table)
+    key = next(iter(table.by_key))
+    table.engine.events = [("step", [(row, chunk(row, [1]))], None)]
+    table.respond(0)
+    table.ack({key: 1}, None)  # the detokenizer consumes this stream
+    table.engine.events = [("step", [(row, chunk(row, [2]))], None)]
+    table.respond(0)
+    assert len(sender.sent) == 2  # not behind: every chunk goes at once
+    clock[0] += 1.0  # chunk 2 has waited a second there
+    table.engine.events = [("step", [(row, chunk(row, [3]))], None)]
+    table.respond(0)
+    table.engine.events = [("step", [(row, chunk(row, [4]))], None)]
+    table.respond(0)
+    assert len(sender.sent) == 2 and table.held  # kept back, merged
+    table.ack({key: 2}, None)
+    table.respond(0)
+    assert [t["output_ids"].tolist() for _, t, _ in sender.sent] == [[[[1]]], [[[2]]], [[[3, 4]]]]
+    assert not table.held

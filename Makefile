@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
-	test-numerics bench bench-openai gpu-smoke clean
+	test-numerics bench bench-openai gpu-smoke nvidia-clients clean
 
 setup: $(VENV)/.installed
 
@@ -44,7 +44,7 @@ repository: model
 # Triton and the OpenAI-compatible frontend together; one Ctrl-C stops both.
 serve: repository
 	$(PY) tools/serve.py --openai_port $(OPENAI_PORT) --model_repo $(REPO) --host $(HOST) \
-		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT)
+		--http_port $(HTTP_PORT) --grpc_port $(GRPC_PORT) --metrics_port $(METRICS_PORT) $(SERVE_ARGS)
 
 # Triton alone.
 serve-triton: repository
@@ -67,6 +67,14 @@ test-model: model
 
 test-e2e: model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/e2e
+
+# NVIDIA's own client scripts, unchanged, against our servers (ports 8000-8002 must be free).
+# NVIDIA_REPO: a checkout of triton-inference-server/tensorrtllm_backend at c2e65b8.
+NVIDIA_REPO ?=
+nvidia-clients: model
+	@test -n "$(NVIDIA_REPO)" || { echo "set NVIDIA_REPO=/path/to/tensorrtllm_backend"; exit 2; }
+	$(PY) -m pip install --quiet --no-deps --target .cache/nvidia-client-deps -r requirements-nvidia-clients.txt
+	$(PY) tools/nvidia_clients.py --nvidia-repo $(NVIDIA_REPO) --model $(MODEL)
 
 # On a CUDA machine.
 test-gpu: model

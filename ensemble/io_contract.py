@@ -1,15 +1,21 @@
-"""The I/O contract of the four Triton models, defined once.
+"""The I/O contract of the five Triton models, defined once.
 
-Names, dtypes and dims follow NVIDIA's `inflight_batcher_llm` repository so clients can switch
-between the two. The Triton adapters read their tensors through these specs, the repository
-builder checks every rendered `config.pbtxt` against them, and the tests build requests from
-them. Dims are per request (Triton prepends the batch dimension, since every model batches).
+Every tensor of NVIDIA's `inflight_batcher_llm` configs (`preprocessing`, `tensorrt_llm`,
+`postprocessing`, `ensemble`, `tensorrt_llm_bls`) is here with NVIDIA's name, dtype, dims and
+optionality, so its clients work unchanged. The Triton adapters read their tensors through these
+specs, `tools/render_templates.py` writes the `input`/`output` sections (and the ensemble's
+steps) of every `config.pbtxt` template from them, and the repository builder checks each
+rendered config against them. Dims are per request: Triton prepends the batch dimension, since
+every model batches.
 
-Extensions over NVIDIA's contract are marked `ext`: the stream-context tensors that let the
-stateless detokenizer decode each streamed chunk in context, the chat-template switch,
+Rows marked `ext` are ours, not NVIDIA's: the stream-context tensors that let the stateless
+detokenizer decode each streamed chunk in context, the chat-template switch,
 `add_special_tokens` (a per-request override of the tokenizer parameter, so a client that renders
-a chat template itself does not get a second BOS), and `min_length` (genai-perf sends it; an alias
-of `min_tokens`).
+a chat template itself does not get a second BOS), `min_length` (genai-perf sends it; an alias of
+`min_tokens`) and the two token counts NVIDIA added to `tensorrt_llm` later.
+
+A dtype written `name=TYPE` is filled from the template variable `name` (NVIDIA's
+`logits_datatype`, ...), TYPE being the value the repository builder uses and accepts.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 _NUMPY = {
-    "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
-    "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_,
+    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
+    "TYPE_UINT64": np.uint64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32,
+    "TYPE_STRING": np.object_,
 }
 
 
@@ -33,6 +40,8 @@ class TensorSpec:
     # Scalars declared [1] that the model sees as shape [batch] (`reshape: { shape: [ ] }`).
     reshape_scalar: bool = False
     allow_ragged_batch: bool = False
+    ext: bool = False  # ours, not in NVIDIA's config
+    dtype_var: str | None = None  # template variable that sets the dtype (default: `dtype`)
 
     @property
     def numpy_dtype(self):
@@ -67,132 +76,282 @@ def _find(specs: tuple[TensorSpec, ...], name: str) -> TensorSpec:
     raise KeyError(name)
 
 
-def _in(name, dtype, dims=(1,), optional=True, **kw) -> TensorSpec:
-    return TensorSpec(name, dtype, tuple(dims), optional, **kw)
-
-
-def _scalar(name, dtype, optional=True) -> TensorSpec:
-    return TensorSpec(name, dtype, (1,), optional, reshape_scalar=True)
+def _table(text: str, outputs: bool = False) -> tuple[TensorSpec, ...]:
+    """Rows `name DTYPE dims [flags]`: dims like `1`, `-1`, `2,-1`; flags `required`
+    (inputs are optional otherwise), `scalar` (reshape to []), `ragged`, `ext`."""
+    specs = []
+    for line in filter(str.strip, text.splitlines()):
+        name, dtype, dims, *flags = line.split()
+        var, _, dtype = dtype.rpartition("=")
+        specs.append(TensorSpec(
+            name, f"TYPE_{dtype}", tuple(int(d) for d in dims.split(",")),
+            optional=not outputs and "required" not in flags, reshape_scalar="scalar" in flags,
+            allow_ragged_batch="ragged" in flags, ext="ext" in flags, dtype_var=var or None))
+    return tuple(specs)
 
 
 PREPROCESSING = ModelIO(
-    inputs=(
-        _in("QUERY", "TYPE_STRING", optional=False),
-        _in("REQUEST_OUTPUT_LEN", "TYPE_INT32", optional=False),
-        _in("BAD_WORDS_DICT", "TYPE_STRING", (-1,)),
-        _in("STOP_WORDS_DICT", "TYPE_STRING", (-1,)),
-        _in("EMBEDDING_BIAS_WORDS", "TYPE_STRING", (-1,)),
-        _in("EMBEDDING_BIAS_WEIGHTS", "TYPE_FP32", (-1,)),
-        _in("END_ID", "TYPE_INT32"),
-        _in("PAD_ID", "TYPE_INT32"),
-        _in("APPLY_CHAT_TEMPLATE", "TYPE_BOOL"),  # ext
-        _in("ADD_SPECIAL_TOKENS", "TYPE_BOOL"),  # ext: per-request override of the parameter
-    ),
-    outputs=(
-        _in("INPUT_ID", "TYPE_INT32", (-1,)),
-        _in("REQUEST_INPUT_LEN", "TYPE_INT32"),
-        _in("BAD_WORDS_IDS", "TYPE_INT32", (2, -1)),
-        _in("STOP_WORDS_IDS", "TYPE_INT32", (2, -1)),
-        _in("EMBEDDING_BIAS", "TYPE_FP32", (-1,)),
-        _in("REQUEST_OUTPUT_LEN", "TYPE_INT32", (-1,)),
-        _in("OUT_END_ID", "TYPE_INT32"),
-        _in("OUT_PAD_ID", "TYPE_INT32"),
-    ),
+    inputs=_table("""
+QUERY                   STRING  1       required
+DECODER_QUERY           STRING  1
+IMAGE_BYTES             UINT8   -1,-1,-1,-1
+IMAGE_URL               STRING  1
+VIDEO_BYTES             UINT8   -1,-1,-1,-1
+REQUEST_OUTPUT_LEN      INT32   1       required
+BAD_WORDS_DICT          STRING  -1
+STOP_WORDS_DICT         STRING  -1
+EMBEDDING_BIAS_WORDS    STRING  -1
+EMBEDDING_BIAS_WEIGHTS  FP32    -1
+END_ID                  INT32   1
+PAD_ID                  INT32   1
+PROMPT_TABLE_EXTRA_ID   UINT64  1
+APPLY_CHAT_TEMPLATE     BOOL    1       ext
+ADD_SPECIAL_TOKENS      BOOL    1       ext
+"""),
+    outputs=_table("""
+INPUT_ID                    INT32   -1
+REQUEST_INPUT_LEN           INT32   1
+DECODER_INPUT_ID            INT32   -1
+REQUEST_DECODER_INPUT_LEN   INT32   1
+BAD_WORDS_IDS               INT32   2,-1
+STOP_WORDS_IDS              INT32   2,-1
+EMBEDDING_BIAS              FP32    -1
+REQUEST_OUTPUT_LEN          INT32   -1
+OUT_END_ID                  INT32   1
+OUT_PAD_ID                  INT32   1
+OUT_PROMPT_TABLE_EXTRA_IDS  UINT64  -1
+PIXEL_VALUES                FP16    -1,-1,-1,-1
+ASPECT_RATIO_IDS            INT64   -1
+ASPECT_RATIO_MASK           INT64   -1,-1
+CROSS_ATTENTION_MASK        INT64   -1,-1,-1
+IMAGE_SIZES                 INT64   2
+IS_VIDEO_INPUT              BOOL    1
+ATTENTION_MASK              INT64   -1
+IMAGE_GRID_THW              INT64   3
+VISION_INPUT_ID             INT32   -1
+""", outputs=True),
 )
 
 TENSORRT_LLM = ModelIO(
-    inputs=(
-        _in("input_ids", "TYPE_INT32", (-1,), allow_ragged_batch=True),
-        _in("input_lengths", "TYPE_INT32", optional=False),
-        _in("request_output_len", "TYPE_INT32", optional=False),
-        _scalar("end_id", "TYPE_INT32"),
-        _scalar("pad_id", "TYPE_INT32"),
-        _in("stop_words_list", "TYPE_INT32", (2, -1), allow_ragged_batch=True),
-        _in("bad_words_list", "TYPE_INT32", (2, -1), allow_ragged_batch=True),
-        _in("embedding_bias", "TYPE_FP32", (-1,), allow_ragged_batch=True),
-        _scalar("beam_width", "TYPE_INT32"),
-        _scalar("num_return_sequences", "TYPE_INT32"),
-        _scalar("temperature", "TYPE_FP32"),
-        _scalar("runtime_top_k", "TYPE_INT32"),
-        _scalar("runtime_top_p", "TYPE_FP32"),
-        _scalar("repetition_penalty", "TYPE_FP32"),
-        _scalar("presence_penalty", "TYPE_FP32"),
-        _scalar("frequency_penalty", "TYPE_FP32"),
-        _scalar("min_tokens", "TYPE_INT32"),
-        _scalar("min_length", "TYPE_INT32"),  # ext
-        _scalar("seed", "TYPE_UINT64"),
-        _scalar("return_log_probs", "TYPE_BOOL"),
-        _scalar("return_num_input_tokens", "TYPE_BOOL"),
-        _scalar("return_num_output_tokens", "TYPE_BOOL"),
-        _scalar("exclude_input_in_output", "TYPE_BOOL"),
-        _scalar("stop", "TYPE_BOOL"),
-        _scalar("streaming", "TYPE_BOOL"),
-    ),
-    outputs=(
-        _in("output_ids", "TYPE_INT32", (-1, -1)),
-        _in("sequence_length", "TYPE_INT32", (-1,)),
-        _in("cum_log_probs", "TYPE_FP32", (-1,)),
-        _in("output_log_probs", "TYPE_FP32", (-1, -1)),
-        _in("batch_index", "TYPE_INT32"),
-        _in("num_input_tokens", "TYPE_INT32"),
-        _in("num_output_tokens", "TYPE_INT32"),
-        _in("stream_context_ids", "TYPE_INT32", (-1, -1)),  # ext: tokens preceding this chunk
-        _in("stream_context_length", "TYPE_INT32", (-1,)),  # ext
-        _in("is_final", "TYPE_BOOL"),  # ext: last response of this request
-        _in("request_key", "TYPE_UINT64"),  # ext: see CANCEL_KEY_PREFIX
-    ),
+    inputs=_table("""
+input_ids                           INT32   -1      ragged
+encoder_input_features              encoder_input_features_data_type=FP16  -1,-1  ragged
+encoder_output_lengths              INT32   1       scalar
+input_lengths                       INT32   1       required scalar
+request_output_len                  INT32   1       required scalar
+num_return_sequences                INT32   1       scalar
+draft_input_ids                     INT32   -1      ragged
+decoder_input_ids                   INT32   -1      ragged
+decoder_input_lengths               INT32   1       scalar
+draft_logits                        logits_datatype=FP32  -1,-1  ragged
+draft_acceptance_threshold          FP32    1       scalar
+end_id                              INT32   1       scalar
+pad_id                              INT32   1       scalar
+stop_words_list                     INT32   2,-1    ragged
+bad_words_list                      INT32   2,-1    ragged
+embedding_bias                      FP32    -1      ragged
+beam_width                          INT32   1       scalar
+temperature                         FP32    1       scalar
+runtime_top_k                       INT32   1       scalar
+runtime_top_p                       FP32    1       scalar
+runtime_top_p_min                   FP32    1       scalar
+runtime_top_p_decay                 FP32    1       scalar
+runtime_top_p_reset_ids             INT32   1       scalar
+len_penalty                         FP32    1       scalar
+early_stopping                      BOOL    1       scalar
+repetition_penalty                  FP32    1       scalar
+min_tokens                          INT32   1       scalar
+min_length                          INT32   1       scalar ext
+beam_search_diversity_rate          FP32    1       scalar
+presence_penalty                    FP32    1       scalar
+frequency_penalty                   FP32    1       scalar
+seed                                UINT64  1       scalar
+return_log_probs                    BOOL    1       scalar
+return_context_logits               BOOL    1       scalar
+return_generation_logits            BOOL    1       scalar
+return_perf_metrics                 BOOL    1       scalar
+return_num_input_tokens             BOOL    1       scalar
+return_num_output_tokens            BOOL    1       scalar
+exclude_input_in_output             BOOL    1       scalar
+stop                                BOOL    1       scalar
+streaming                           BOOL    1       scalar
+prompt_embedding_table              prompt_embedding_table_data_type=FP16  -1,-1  ragged
+prompt_table_extra_ids              UINT64  -1      ragged
+prompt_vocab_size                   INT32   1       scalar
+cross_attention_mask                BOOL    -1,-1   ragged
+mrope_rotary_cos_sin                FP32    -1
+mrope_position_deltas               INT64   1
+lora_task_id                        UINT64  1       scalar
+lora_weights                        FP16    -1,-1   ragged
+lora_config                         INT32   -1,3    ragged
+context_phase_params                UINT8   -1      ragged
+skip_cross_attn_blocks              BOOL    1       ragged
+retention_token_range_starts        INT32   -1      ragged
+retention_token_range_ends          INT32   -1      ragged
+retention_token_range_priorities    INT32   -1      ragged
+retention_token_range_durations_ms  INT32   -1      ragged
+retention_decode_priority           INT32   1       ragged
+retention_decode_duration_ms        INT32   1       ragged
+guided_decoding_guide_type          STRING  1       ragged
+guided_decoding_guide               STRING  1       ragged
+lookahead_window_size               INT32   1       ragged
+lookahead_ngram_size                INT32   1       ragged
+lookahead_verification_set_size     INT32   1       ragged
+"""),
+    outputs=_table("""
+output_ids                   INT32   -1,-1
+sequence_length              INT32   -1
+cum_log_probs                FP32    -1
+output_log_probs             FP32    -1,-1
+context_logits               logits_datatype=FP32  -1,-1
+generation_logits            logits_datatype=FP32  -1,-1,-1
+batch_index                  INT32   1
+sequence_index               INT32   1
+context_phase_params         UINT8   -1
+kv_cache_alloc_new_blocks    INT32   1
+kv_cache_reused_blocks       INT32   1
+kv_cache_alloc_total_blocks  INT32   1
+arrival_time_ns              INT64   1
+first_scheduled_time_ns      INT64   1
+first_token_time_ns          INT64   1
+last_token_time_ns           INT64   1
+acceptance_rate              FP32    1
+total_accepted_draft_tokens  INT32   1
+total_draft_tokens           INT32   1
+num_input_tokens             INT32   1
+num_output_tokens            INT32   1
+stream_context_ids           INT32   -1,-1   ext
+stream_context_length        INT32   -1      ext
+is_final                     BOOL    1       ext
+request_key                  UINT64  1       ext
+""", outputs=True),
 )
 
 POSTPROCESSING = ModelIO(
-    inputs=(
-        _in("TOKENS_BATCH", "TYPE_INT32", (-1, -1), optional=False),
-        _in("SEQUENCE_LENGTH", "TYPE_INT32", (-1,), optional=False),
-        _in("CONTEXT_IDS", "TYPE_INT32", (-1, -1)),  # ext
-        _in("CONTEXT_LENGTH", "TYPE_INT32", (-1,)),  # ext
-        _in("IS_FINAL", "TYPE_BOOL"),  # ext
-        _in("REQUEST_KEY", "TYPE_UINT64"),  # ext
-    ),
-    outputs=(_in("OUTPUT", "TYPE_STRING", (-1,)),),
+    inputs=_table("""
+TOKENS_BATCH     INT32   -1,-1   required
+SEQUENCE_LENGTH  INT32   -1      required
+CONTEXT_IDS      INT32   -1,-1   ext
+CONTEXT_LENGTH   INT32   -1      ext
+IS_FINAL         BOOL    1       ext
+REQUEST_KEY      UINT64  1       ext
+"""),
+    outputs=_table("""
+OUTPUT  STRING  -1
+""", outputs=True),
 )
 
-ENSEMBLE = ModelIO(
-    inputs=(
-        _in("text_input", "TYPE_STRING", optional=False),
-        _in("max_tokens", "TYPE_INT32", optional=False),
-        _in("stream", "TYPE_BOOL"),
-        _in("bad_words", "TYPE_STRING", (-1,)),
-        _in("stop_words", "TYPE_STRING", (-1,)),
-        _in("embedding_bias_words", "TYPE_STRING", (-1,)),
-        _in("embedding_bias_weights", "TYPE_FP32", (-1,)),
-        _in("end_id", "TYPE_INT32"),
-        _in("pad_id", "TYPE_INT32"),
-        _in("top_k", "TYPE_INT32"),
-        _in("top_p", "TYPE_FP32"),
-        _in("temperature", "TYPE_FP32"),
-        _in("repetition_penalty", "TYPE_FP32"),
-        _in("presence_penalty", "TYPE_FP32"),
-        _in("frequency_penalty", "TYPE_FP32"),
-        _in("min_tokens", "TYPE_INT32"),
-        _in("min_length", "TYPE_INT32"),  # ext
-        _in("seed", "TYPE_UINT64"),
-        _in("beam_width", "TYPE_INT32"),
-        _in("num_return_sequences", "TYPE_INT32"),
-        _in("exclude_input_in_output", "TYPE_BOOL"),
-        _in("return_log_probs", "TYPE_BOOL"),
-        _in("return_num_input_tokens", "TYPE_BOOL"),
-        _in("return_num_output_tokens", "TYPE_BOOL"),
-        _in("apply_chat_template", "TYPE_BOOL"),  # ext
-        _in("add_special_tokens", "TYPE_BOOL"),  # ext
-    ),
-    outputs=(
-        _in("text_output", "TYPE_STRING", (-1,)),
-        _in("cum_log_probs", "TYPE_FP32", (-1,)),
-        _in("output_log_probs", "TYPE_FP32", (-1, -1)),
-        _in("batch_index", "TYPE_INT32"),
-        _in("num_input_tokens", "TYPE_INT32"),
-        _in("num_output_tokens", "TYPE_INT32"),
-    ),
+# The text-level inputs shared by the ensemble and tensorrt_llm_bls (NVIDIA's names).
+_TEXT_INPUTS = """
+text_input              STRING  1       required
+decoder_text_input      STRING  1
+max_tokens              INT32   1       required
+num_return_sequences    INT32   1
+bad_words               STRING  -1
+stop_words              STRING  -1
+exclude_input_in_output BOOL    1
+end_id                  INT32   1
+pad_id                  INT32   1
+top_k                   INT32   1
+top_p                   FP32    1
+temperature             FP32    1
+length_penalty          FP32    1
+repetition_penalty      FP32    1
+min_tokens              INT32   1
+min_length              INT32   1       ext
+presence_penalty        FP32    1
+frequency_penalty       FP32    1
+seed                    UINT64  1
+return_log_probs        BOOL    1
+return_context_logits   BOOL    1
+return_generation_logits BOOL   1
+return_perf_metrics     BOOL    1
+return_num_input_tokens BOOL    1
+return_num_output_tokens BOOL   1
+beam_width              INT32   1
+stream                  BOOL    1
+prompt_embedding_table  prompt_embedding_table_data_type=FP16  -1,-1
+prompt_table_extra_id   UINT64  1
+prompt_vocab_size       INT32   1
+embedding_bias_words    STRING  -1
+embedding_bias_weights  FP32    -1
+lora_task_id            UINT64  1
+lora_weights            FP16    -1,-1   ragged
+lora_config             INT32   -1,3    ragged
+guided_decoding_guide_type STRING 1     ragged
+guided_decoding_guide   STRING  1       ragged
+apply_chat_template     BOOL    1       ext
+add_special_tokens      BOOL    1       ext
+"""
+
+
+def _text_outputs() -> tuple[TensorSpec, ...]:
+    """What both text models answer: the text, then tensorrt_llm's outputs passed through."""
+    text = _table("text_output STRING -1", outputs=True)
+    passed = tuple(t for t in TENSORRT_LLM.outputs if t.name in ENGINE_PASS_THROUGH)
+    return text + passed
+
+
+# tensorrt_llm outputs that the ensemble and the BLS model return to the client as they are.
+ENGINE_PASS_THROUGH = tuple(
+    t.name for t in TENSORRT_LLM.outputs
+    if not t.ext and t.name not in ("output_ids", "sequence_length", "context_phase_params"))
+
+ENSEMBLE = ModelIO(inputs=_table(_TEXT_INPUTS), outputs=_text_outputs())
+
+TENSORRT_LLM_BLS = ModelIO(
+    inputs=_table(_TEXT_INPUTS + """
+image_input             FP16    -1,3,-1,-1
+image_bytes_input       UINT8   -1,-1,-1,-1
+image_url_input         STRING  1
+video_bytes_input       UINT8   -1,-1,-1,-1
+num_draft_tokens        INT32   1
+use_draft_logits        BOOL    1
+"""),
+    outputs=_text_outputs(),
 )
+
+# Ensemble (and BLS) input -> (step model, step input). Inputs not listed go to tensorrt_llm
+# under the same name.
+TEXT_INPUT_ROUTES = {
+    "text_input": ("preprocessing", "QUERY"),
+    "decoder_text_input": ("preprocessing", "DECODER_QUERY"),
+    "max_tokens": ("preprocessing", "REQUEST_OUTPUT_LEN"),
+    "bad_words": ("preprocessing", "BAD_WORDS_DICT"),
+    "stop_words": ("preprocessing", "STOP_WORDS_DICT"),
+    "embedding_bias_words": ("preprocessing", "EMBEDDING_BIAS_WORDS"),
+    "embedding_bias_weights": ("preprocessing", "EMBEDDING_BIAS_WEIGHTS"),
+    "end_id": ("preprocessing", "END_ID"),
+    "pad_id": ("preprocessing", "PAD_ID"),
+    "prompt_table_extra_id": ("preprocessing", "PROMPT_TABLE_EXTRA_ID"),
+    "apply_chat_template": ("preprocessing", "APPLY_CHAT_TEMPLATE"),
+    "add_special_tokens": ("preprocessing", "ADD_SPECIAL_TOKENS"),
+    "stream": ("tensorrt_llm", "streaming"),
+    "top_k": ("tensorrt_llm", "runtime_top_k"),
+    "top_p": ("tensorrt_llm", "runtime_top_p"),
+    "length_penalty": ("tensorrt_llm", "len_penalty"),
+}
+
+
+def text_input_route(name: str) -> tuple[str, str]:
+    """The step model and input that an ensemble/BLS input feeds."""
+    return TEXT_INPUT_ROUTES.get(name, ("tensorrt_llm", name))
+
+
+# preprocessing output -> tensorrt_llm input, and tensorrt_llm output -> postprocessing input.
+PREPROCESSING_TO_ENGINE = {
+    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
+    "DECODER_INPUT_ID": "decoder_input_ids", "REQUEST_DECODER_INPUT_LEN": "decoder_input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len", "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
+    "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids",
+}
+ENGINE_TO_POSTPROCESSING = {
+    "output_ids": "TOKENS_BATCH", "sequence_length": "SEQUENCE_LENGTH",
+    "stream_context_ids": "CONTEXT_IDS", "stream_context_length": "CONTEXT_LENGTH",
+    "is_final": "IS_FINAL", "request_key": "REQUEST_KEY",
+}
 
 # Triton tells an ensemble's running step nothing when the client cancels: only steps started
 # afterwards see `is_cancelled()`. The detokenizer is such a step (it runs once per streamed
@@ -211,34 +370,5 @@ MODELS = {
     "tensorrt_llm": TENSORRT_LLM,
     "postprocessing": POSTPROCESSING,
     "ensemble": ENSEMBLE,
-}
-
-# Ensemble input -> (step model, step input). Everything else flows between steps.
-ENSEMBLE_ROUTES = {
-    "text_input": ("preprocessing", "QUERY"),
-    "max_tokens": ("preprocessing", "REQUEST_OUTPUT_LEN"),
-    "bad_words": ("preprocessing", "BAD_WORDS_DICT"),
-    "stop_words": ("preprocessing", "STOP_WORDS_DICT"),
-    "embedding_bias_words": ("preprocessing", "EMBEDDING_BIAS_WORDS"),
-    "embedding_bias_weights": ("preprocessing", "EMBEDDING_BIAS_WEIGHTS"),
-    "end_id": ("preprocessing", "END_ID"),
-    "pad_id": ("preprocessing", "PAD_ID"),
-    "apply_chat_template": ("preprocessing", "APPLY_CHAT_TEMPLATE"),
-    "add_special_tokens": ("preprocessing", "ADD_SPECIAL_TOKENS"),
-    "stream": ("tensorrt_llm", "streaming"),
-    "top_k": ("tensorrt_llm", "runtime_top_k"),
-    "top_p": ("tensorrt_llm", "runtime_top_p"),
-    "temperature": ("tensorrt_llm", "temperature"),
-    "repetition_penalty": ("tensorrt_llm", "repetition_penalty"),
-    "presence_penalty": ("tensorrt_llm", "presence_penalty"),
-    "frequency_penalty": ("tensorrt_llm", "frequency_penalty"),
-    "min_tokens": ("tensorrt_llm", "min_tokens"),
-    "min_length": ("tensorrt_llm", "min_length"),
-    "seed": ("tensorrt_llm", "seed"),
-    "beam_width": ("tensorrt_llm", "beam_width"),
-    "num_return_sequences": ("tensorrt_llm", "num_return_sequences"),
-    "exclude_input_in_output": ("tensorrt_llm", "exclude_input_in_output"),
-    "return_log_probs": ("tensorrt_llm", "return_log_probs"),
-    "return_num_input_tokens": ("tensorrt_llm", "return_num_input_tokens"),
-    "return_num_output_tokens": ("tensorrt_llm", "return_num_output_tokens"),
+    "tensorrt_llm_bls": TENSORRT_LLM_BLS,
 }

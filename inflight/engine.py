@@ -1,16 +1,35 @@
-"""The synchronous in-flight batching engine: one `step()` is schedule → execute → update.
+"""The in-flight batching engine: one `step()` is schedule → execute → update.
 
 `LLMEngine` is single-threaded on purpose; `inflight.executor.Executor` runs it in a thread and
 `inflight.runtime.ModelRunner` drives it directly for offline generation.
+
+Overlapped steps (`enable_overlap_scheduler`, on with CUDA): `step()` schedules step N and
+queues it on the GPU before it reads step N-1's tokens, so the host's scheduling and response
+work hides behind the GPU's. The protocol:
+  1. schedule N: a row sampled at N-1 ends with a placeholder token (its id is on the device;
+     the worker copies it into N's inputs there); rows that will turn out finished at N-1 may
+     be scheduled (a row that has all its max_tokens is not);
+  2. launch N (no host sync);
+  3. read N-1's tokens (waiting for that step's copy only), replace the placeholders, check
+     stop conditions, finish requests (freeing their blocks: the GPU runs the steps in order,
+     so a block freed here and reused later is written after step N is done with it) and
+     build N-1's responses;
+  4. advance the scheduler over N (which registers only blocks whose tokens are all known)
+     and put placeholders for N's sampled rows.
+A row that finished at N-1 but was computed in N has its N token discarded; nothing it
+produced after its finish is ever sent. Streamed chunks and final outputs are the
+synchronous engine's; they leave one step later. Requests whose sampling reads earlier tokens
+on the host (`RequestState.needs_host_tokens`) make the engine step synchronously while they
+are live; so does the CPU by default.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -20,9 +39,9 @@ from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
-from inflight.executor.types import (FinishReason, QueueFullError, Request, RequestError, Response,
-                                     Result)
-from inflight.sampling.sampler import SamplingRow
+from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.request_state import RequestState
+from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -32,22 +51,13 @@ class EngineFatalError(RuntimeError):
     """The engine cannot go on (its device state is broken); the executor stops for good."""
 
 
-@dataclass(eq=False)
-class RequestState:
-    """Everything the engine keeps about one live request besides its `Sequence`."""
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
 
-    request_id: int
-    request: Request
-    seq: Sequence
-    generator: torch.Generator | None
-    embedding_bias: torch.Tensor | None
-    log_probs: list[float] = field(default_factory=list)
-    num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
-    finish_reason: FinishReason = FinishReason.NOT_FINISHED
-
-    @property
-    def sampling(self):
-        return self.request.sampling_config
+    batch: SchedulerOutput
+    states: list[RequestState]  # the sampled rows' requests, in row order
+    sample: DeviceSample | SamplerOutput
 
 
 class LLMEngine:
@@ -55,7 +65,8 @@ class LLMEngine:
 
     def __init__(self, config: ExecutorConfig, worker: Worker):
         """`worker` runs the model: the `Worker` that `from_dir` builds, or a stand-in with its
-        `model_config`, `num_blocks`, `block_size`, `max_seq_len`, `device` and `execute`."""
+        `model_config`, `num_blocks`, `block_size`, `max_seq_len`, `device` and `execute`
+        (and `launch` for overlapped steps)."""
         self.config = config
         self.worker = worker
         self.model_config = self.worker.model_config
@@ -71,14 +82,17 @@ class LLMEngine:
         self.num_completed_requests = 0
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
+        self._in_flight: _InFlight | None = None
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, config: ExecutorConfig | None = None) -> "LLMEngine":
-        """An engine over a Hugging Face folder, with the real `Worker`."""
+    def from_dir(cls, model_dir: str | Path, config: ExecutorConfig | None = None,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> "LLMEngine":
+        """An engine over a Hugging Face folder, with the real `Worker`. `weights`: in-memory HF
+        tensors instead of the folder's files (benchmarks; see `Worker`)."""
         config = config or ExecutorConfig()
-        return cls(config, Worker(str(model_dir), config))
+        return cls(config, Worker(str(model_dir), config, weights))
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -162,119 +176,79 @@ class LLMEngine:
         return self._finish(state)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ----- the step ------------------------------------------------------------------------
 
     def step(self) -> list[Response]:
-        """Schedule → execute → update. Returns the responses this step produced."""
+        """Schedule → execute → update. Returns the responses this step produced (overlapped:
+        those of the previous step; see the module docstring)."""
         start = time.perf_counter()
+        overlap = self._overlaps()
+        responses = [] if overlap else self._drain()  # a synchronous step starts from known tokens
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
-        sampled = [s for s in batch.scheduled if s.is_sampled]
-        states = [self.requests[s.seq.request_id] for s in sampled]
+            return responses + self._drain()
+        states = [self.requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            output = self.worker.execute(batch, [self._sampling_row(st) for st in states],
-                                         [st.request.logits_processor for st in states],
-                                         [st.request_id for st in states])
+            args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
+                    [st.request_id for st in states])
+            sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
         except EngineFatalError:
             raise
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step %d failed", self.iteration)
-            return self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
+            responses += self._drain()  # the previous step's tokens are still good
+            return responses + self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
+        responses += self._drain()  # step N-1's tokens, while the device computes this one
         self.scheduler.update(batch)
-        responses = self._update(states, output.token_ids, output.log_probs)
+        for i, state in enumerate(states):
+            if state.finish_reason is FinishReason.NOT_FINISHED:
+                state.add_placeholder(i)
+        self._in_flight = _InFlight(batch, states, sample)
+        if not overlap:
+            responses += self._drain()
         self._record_stats(batch, time.perf_counter() - start)
         return responses
 
-    def _sampling_row(self, state: RequestState) -> SamplingRow:
-        sc, seq, end_id = state.sampling, state.seq, state.request.end_id
-        greedy = sc.is_greedy
-        return SamplingRow(
-            token_ids=seq.token_ids,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            temperature=0.0 if greedy else (1.0 if sc.temperature is None else sc.temperature),
-            top_k=0 if greedy else (sc.top_k or 0),
-            top_p=1.0 if greedy or sc.top_p is None else sc.top_p,
-            repetition_penalty=sc.repetition_penalty or 1.0,
-            presence_penalty=sc.presence_penalty or 0.0,
-            frequency_penalty=sc.frequency_penalty or 0.0,
-            min_tokens=sc.min_tokens or 0,
-            end_id=end_id if end_id is not None and end_id >= 0 else None,
-            bad_words=state.request.bad_words or [],
-            embedding_bias=state.embedding_bias,
-            generator=state.generator,
-            return_log_probs=state.request.output_config.return_log_probs,
-        )
+    def _overlaps(self) -> bool:
+        """Whether this step may be queued before the previous one's tokens are read."""
+        return (getattr(self.worker, "overlap", False)
+                and not any(st.needs_host_tokens for st in self.requests.values()))
 
-    def _update(self, states: list[RequestState], token_ids: list[int],
-                log_probs: list[float | None]) -> list[Response]:
+    def _drain(self) -> list[Response]:
+        """Reads the step in flight's tokens (if any) and turns them into responses."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        try:
+            output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
+        except Exception as exc:  # the device step failed after it was queued
+            logger.exception("engine step failed while its tokens were read")
+            return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses = []
-        for state, token, log_prob in zip(states, token_ids, log_probs):
-            request, seq = state.request, state.seq
-            if request.end_id is not None and token == request.end_id:
-                state.finish_reason = FinishReason.END_ID
-            else:
-                seq.append_token(token)
-                if log_prob is not None:
-                    state.log_probs.append(log_prob)
-                try:
-                    state.finish_reason = self._check_stop(state)
-                except Exception as exc:  # a user StoppingCriteria raised: fail that request only
-                    responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
-                    continue
+        for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
+            if self.requests.get(state.request_id) is not state:
+                continue  # finished (cancelled, failed, stopped) since the step was launched
+            try:
+                state.accept_token(token, log_prob)
+            except Exception as exc:  # a user StoppingCriteria raised: fail that request only
+                responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
+                continue
             if state.finish_reason is not FinishReason.NOT_FINISHED:
                 responses.append(self._finish(state))
-            elif request.streaming:
-                responses.append(self._response(state, is_final=False))
+            elif state.request.streaming:
+                responses.append(state.response(is_final=False))
         return responses
 
-    def _check_stop(self, state: RequestState) -> FinishReason:
-        seq, request = state.seq, state.request
-        if seq.num_generated_tokens >= (state.sampling.min_tokens or 0):
-            tokens = seq.token_ids
-            for word in request.stop_words or []:
-                if len(word) <= len(tokens) and tokens[-len(word):] == word:
-                    return FinishReason.STOP_WORDS
-            if request.stopping_criteria is not None and request.stopping_criteria(state.request_id, tokens):
-                return FinishReason.STOP_WORDS
-        if seq.num_generated_tokens >= seq.max_new_tokens:
-            return FinishReason.LENGTH
-        return FinishReason.NOT_FINISHED
-
     def _finish(self, state: RequestState) -> Response:
+        state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
         self.requests.pop(state.request_id, None)
         self.num_completed_requests += 1
-        return self._response(state, is_final=True)
-
-    def _response(self, state: RequestState, is_final: bool) -> Response:
-        request, seq = state.request, state.seq
-        generated = seq.generated_token_ids
-        if request.streaming:
-            new_tokens = generated[state.num_streamed_tokens:]
-            new_log_probs = state.log_probs[state.num_streamed_tokens:]
-            state.num_streamed_tokens = len(generated)
-            output = new_tokens
-        elif request.output_config.exclude_input_from_output:
-            output, new_log_probs = generated, state.log_probs
-        else:
-            output, new_log_probs = seq.token_ids, state.log_probs
-        want_log_probs = request.output_config.return_log_probs
-        result = Result(
-            is_final=is_final,
-            output_token_ids=[list(output)],
-            cum_log_probs=[float(sum(state.log_probs))] if want_log_probs else None,
-            log_probs=[list(new_log_probs)] if want_log_probs else None,
-            finish_reasons=[state.finish_reason],
-            is_sequence_final=is_final,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(generated),
-        )
-        return Response(request_id=state.request_id, result=result, client_id=request.client_id)
+        return state.response(is_final=True)
 
     def _fail(self, batch: SchedulerOutput, message: str) -> list[Response]:
         responses = []
@@ -287,6 +261,7 @@ class LLMEngine:
         return responses
 
     def _fail_request(self, state: RequestState, message: str) -> Response:
+        state.drop_placeholder()
         self.requests.pop(state.request_id, None)
         self.scheduler.finish(state.seq)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)

@@ -166,3 +166,22 @@ def cuda_memory_for_kv(device: torch.device, peak_allocated_bytes: int) -> int:
     cached_unused = torch.cuda.memory_reserved(device) - allocated
     runtime_bytes = max(peak_allocated_bytes - allocated, 0)
     return max(free_bytes + cached_unused - runtime_bytes, 0)
+
+
+# ----- how steps run -------------------------------------------------------------------------
+
+def uses_cuda_graphs(requested: bool | None, device: torch.device, backend_supports: bool) -> bool:
+    """`cuda_graph_mode`: None (auto) means on wherever it can be (CUDA with an attention
+    backend that supports graphs), so the default is the fast path; True/False as written.
+    True off CUDA is ignored with a warning (an explicit `device` cpu is refused by the config)."""
+    if device.type != "cuda":
+        if requested:
+            logger.warning("cuda_graph_mode is ignored: the engine runs on %s", device)
+        return False
+    return backend_supports if requested is None else requested
+
+
+def overlaps_steps(requested: bool | None, device: torch.device) -> bool:
+    """`enable_overlap_scheduler`: None (auto) means on CUDA, off on the CPU (where the host
+    computes the step itself, so there is nothing to overlap); True/False as written."""
+    return device.type == "cuda" if requested is None else requested

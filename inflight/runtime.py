@@ -1,7 +1,7 @@
 """Offline API in the spirit of TensorRT-LLM's Python runtime.
 
     runner = ModelRunner.from_dir("path/to/hf_model")
-    outputs = runner.generate(["Hello"], SamplingConfig(temperature=0.7, seed=1), max_new_tokens=32)
+    outputs = runner.generate(["Hello"], SamplingConfig(temperature=0.7, top_p=0.95, seed=1), max_new_tokens=32)
 
 `generate` feeds every prompt to one engine at once, so they share steps (in-flight batching),
 and returns when all are done. `StoppingCriteria` and `LogitsProcessor` are the extension points.

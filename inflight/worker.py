@@ -1,33 +1,43 @@
 """The device side of a step: owns the model, the paged KV cache tensors and the sampler.
 
-A step is prepare inputs → run model → sample (`Worker.execute`):
-- `prepare_inputs` turns the scheduler's rows into a `StepInput`: one host → device transfer
-  of the step's token ids and layout (`StepMetadata`), then the attention backend's metadata;
-- `run_model` runs the forward pass and the LM head over the sampled rows (eager today; this
-  is where a CUDA-graph runner keyed by padded decode batch size replays decode steps);
-- `sample` applies logits hooks and samples: the step's one host sync (the sampled ids).
+A step is prepare inputs → run model → sample (`Worker.execute`, or `launch` + `result()`):
+- `prepare_inputs` turns the scheduler's rows into a `StepInput` with the step's one host →
+  device transfer: into the static buffers of a CUDA graph for decode steps that fit a
+  captured bucket, else as a `StepMetadata` from which the attention backend builds its own;
+- `run_model` replays the bucket's graph, or runs the forward pass and the LM head over the
+  sampled rows eagerly;
+- `sample` applies logits hooks and samples on the device, then queues the copy of the
+  sampled ids to the host. `launch` stops there (no sync), so the engine can queue the next
+  step before it waits (`DeviceSample.result()`: the step's one host wait).
 
-Start-up on CUDA: load the weights, run one warm-up step at the largest batch against a
-throw-away one-block cache, then size the KV cache from what is free after it
-(`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's meaning). Graph capture, which needs the
-real cache's addresses, comes after the allocation and lives in the headroom the fraction leaves.
+Overlapped steps: a sequence's last token may still be on the device (the engine appended a
+placeholder `-(1 + i)` for "sampled row i of the previous step"). Such tokens are copied on
+the device from `sampled_ids`, where every step leaves its sampled ids.
+
+Start-up on CUDA: load the weights, reserve the backend's buffers and the graphs' static
+inputs, run one warm-up step at the largest batch against a throw-away one-block cache, size
+the KV cache from what is free after it (`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's
+meaning), then capture the decode graphs, which need the real cache's addresses.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
+from inflight.cuda_graph import CudaGraphRunner, GraphStep
 from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import StepMetadata, cdiv, resolve_attention_backend
+from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
+                                      resolve_attention_backend)
 from inflight.model.loader import allocate_kv_caches, load_model
-from inflight.platform import apply_cpu_threads, cuda_memory_for_kv, resolve_device, resolve_dtype
-from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
+                               resolve_dtype, uses_cuda_graphs)
+from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +47,12 @@ LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class StepInput:
-    """Everything `run_model` and `sample` need for one step; built by `prepare_inputs`."""
+    """Everything `run_model` and `sample` need for one step; built by `prepare_inputs`.
+    Exactly one of `metadata` (eager) and `graph_step` (replayed) is set."""
 
-    input_ids: torch.Tensor  # [T] int64, on the device
-    positions: torch.Tensor  # [T] int64, on the device
-    metadata: StepMetadata  # the step's layout (backend-neutral)
-    attn_metadata: Any  # the attention backend's metadata for this step
-    # Flat token indices of the sampled rows' last tokens (None: every token, in order).
-    logits_indices: torch.Tensor | None
+    metadata: StepMetadata | None  # the step's layout (backend-neutral), with its input ids
+    attn_metadata: Any  # the attention backend's metadata for this step (eager)
+    graph_step: GraphStep | None  # a decode step staged in a CUDA graph's static inputs
     sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
@@ -53,39 +61,84 @@ class StepInput:
     def num_sampled(self) -> int:
         return len(self.sampling_rows)
 
+    @property
+    def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
+        return self.metadata.input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:  # [T] int64 (eager steps)
+        return self.metadata.positions
+
+    @property
+    def logits_indices(self) -> torch.Tensor | None:  # see StepMetadata.logits_indices
+        return self.metadata.logits_indices
+
 
 class Worker:
-    """Runs the model over one `SchedulerOutput` and samples the next tokens."""
+    """Runs the model over one `SchedulerOutput` and samples the next tokens.
 
-    def __init__(self, model_dir: str, config: ExecutorConfig):
+    `weights` (HF name -> tensor, e.g. a random model built on the GPU for a benchmark)
+    replaces the checkpoint files; entries are removed as they are loaded.
+    """
+
+    def __init__(self, model_dir: str, config: ExecutorConfig,
+                 weights: Mapping[str, torch.Tensor] | None = None):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             apply_cpu_threads()
         perf = config.extended_runtime_perf_knob_config
-        if perf.cuda_graph_mode and self.device.type != "cuda":
-            logger.warning("cuda_graph_mode is ignored: the engine runs on %s", self.device)
-        self.cuda_graph_mode = perf.cuda_graph_mode and self.device.type == "cuda"
         backend_name = resolve_attention_backend(config.attention_backend, self.device,
-                                                 self.cuda_graph_mode)
+                                                 perf.cuda_graph_mode is True)
+        self.cuda_graph_mode = uses_cuda_graphs(
+            perf.cuda_graph_mode, self.device, attention_backend_class(backend_name).supports_cuda_graphs)
+        self.overlap = overlaps_steps(config.enable_overlap_scheduler, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, backend_name)
+        self.model, self.model_config = (load_model(model_dir, self.dtype, self.device, backend_name)
+                                         if weights is None else
+                                         load_model(model_dir, self.dtype, self.device, backend_name,
+                                                    weights=weights))
         self.backend = self.model.attention_backend
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.block_size = config.kv_cache_config.tokens_per_block
+        mc = self.model_config
+        self.backend.reserve(AttentionLimits(mc.num_attention_heads, mc.num_key_value_heads,
+                                             mc.head_dim, config.max_batch_size, self.max_seq_len,
+                                             self.device, perf.multi_block_mode))
         self.sampler = Sampler()
+        # Every step's sampled ids, for the next step's tokens that are still on the device.
+        self.sampled_ids = torch.zeros(config.max_batch_size, dtype=torch.int64, device=self.device)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.cuda_graph_mode:  # static buffers before the KV cache is sized
+            self.graph_runner = CudaGraphRunner(
+                self.model, perf.cuda_graph_batch_sizes(config.max_batch_size), self.max_seq_len,
+                self.block_size, self.sampled_ids, self.device)
         self.kv_caches: list[torch.Tensor] = []
         # Peak device memory of the largest step, weights included (0: not measured, on CPU).
         self.peak_step_bytes = self._profile_peak_memory(config) if self.device.type == "cuda" else 0
         self.num_blocks = self._num_kv_blocks(config, self.peak_step_bytes)
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size,
-                                            self.dtype, self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s)", self.num_blocks,
-                    self.block_size, self.dtype, self.device, backend_name)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
+        if self.graph_runner is not None:
+            self._capture_graphs(explicit=perf.cuda_graph_mode is True)
+        logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
+                    "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
+                    backend_name, self.graph_runner is not None, self.overlap)
+
+    def _capture_graphs(self, explicit: bool) -> None:
+        try:
+            self.graph_runner.capture(self.kv_caches)
+        except Exception:
+            if explicit:
+                raise
+            # cuda_graph_mode auto: serve eagerly rather than not at all.
+            logger.exception("capturing the decode CUDA graphs failed; decode steps run eagerly")
+            self.graph_runner = None
+            self.cuda_graph_mode = False
+            torch.cuda.synchronize(self.device)  # a broken context raises here: start-up fails
+            torch.cuda.empty_cache()
 
     # ----- the step ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
                 hooks: list[LogitsHook | None] | None = None,
                 request_ids: list[int] | None = None) -> SamplerOutput:
@@ -93,50 +146,90 @@ class Worker:
 
         `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
         """
+        return self.launch(batch, rows, hooks, request_ids).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
+               hooks: list[LogitsHook | None] | None = None,
+               request_ids: list[int] | None = None) -> DeviceSample:
+        """`execute` without waiting for the tokens: queues the step and returns its sample."""
         step = self.prepare_inputs(batch, rows, hooks, request_ids)
         logits = self.run_model(step)
-        return self.sample(logits, step)
+        return self.sample_on_device(logits, step)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
                        hooks: list[LogitsHook | None] | None = None,
                        request_ids: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
+        num_sampled = sum(1 for item in batch.scheduled if item.is_sampled)
+        if num_sampled != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
+        if self._fits_graph(batch):
+            graph_step = self.graph_runner.stage_decode(batch.scheduled)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids)
         input_ids: list[int] = []
         sampled_rows: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         for i, item in enumerate(batch.scheduled):
-            input_ids.extend(item.seq.token_ids[item.start_position:item.context_len])
+            tokens = item.seq.token_ids[item.start_position:item.context_len]
+            if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
+                pending_dst.append(len(input_ids) + len(tokens) - 1)
+                pending_src.append(-1 - tokens[-1])
+                tokens = tokens[:-1] + [0]
+            if len(tokens) > 1 and min(tokens) < 0:
+                raise RuntimeError(f"request {item.seq.request_id}: a placeholder token before "
+                                   "its last position")
+            input_ids.extend(tokens)
             if item.is_sampled:
                 sampled_rows.append(i)
-        if len(sampled_rows) != len(rows):
-            raise ValueError(f"{len(rows)} sampling rows for {len(sampled_rows)} sampled sequences")
         meta = StepMetadata.build(
             [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
-            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows)
-        return StepInput(input_ids=meta.input_ids, positions=meta.positions, metadata=meta,
-                         attn_metadata=self.backend.build_metadata(meta),
-                         logits_indices=meta.logits_indices, sampling_rows=rows,
-                         logits_hooks=hooks, request_ids=request_ids)
+            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
+            pending=(pending_dst, pending_src) if pending_dst else None)
+        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids)
+
+    def _fits_graph(self, batch: SchedulerOutput) -> bool:
+        """A decode step (one new token per row, every row sampled) within the captured sizes."""
+        runner = self.graph_runner
+        return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
+                and all(item.num_new_tokens == 1 and item.is_sampled for item in batch.scheduled))
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches,
-                            step.attn_metadata)  # [T, hidden]
+        if step.graph_step is not None:
+            return self.graph_runner.replay(step.graph_step)
+        meta = step.metadata
+        input_ids = meta.input_ids
+        if meta.pending_dst is not None:
+            input_ids = input_ids.index_copy(0, meta.pending_dst,
+                                             self.sampled_ids.index_select(0, meta.pending_src))
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
         if step.num_sampled == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        if step.logits_indices is not None:
-            hidden = hidden.index_select(0, step.logits_indices)  # [S, hidden]
+        if meta.logits_indices is not None:
+            hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
         return self.model.compute_logits(hidden)  # [S, vocab]
 
     def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
-        """Logits hooks, then one token per sampled row (the step's one host sync)."""
+        """Logits hooks, then one token per sampled row (the step's one host wait)."""
+        return self.sample_on_device(logits, step).result()
+
+    def sample_on_device(self, logits: torch.Tensor, step: StepInput) -> DeviceSample:
+        """Logits hooks, then one token per sampled row, left on the device (its copy to the
+        host queued); `sampled_ids` gets them for the next step."""
         if step.num_sampled == 0:
-            return SamplerOutput(token_ids=[], log_probs=[])
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return DeviceSample(empty, None, [])
         hooks = step.logits_hooks
         if hooks and any(hooks):
             for i, hook in enumerate(hooks):
                 if hook is not None:
                     logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
-        return self.sampler.sample(logits, step.sampling_rows)
+        sample = self.sampler.sample_on_device(logits, step.sampling_rows)
+        if self.overlap:  # the next step may read them before the host has
+            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        return sample.start_copy()
 
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
@@ -174,8 +267,8 @@ class Worker:
         return peak
 
     def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """One step through the real model and sampler at the largest batch the scheduler can
-        form: `max_num_tokens` tokens (at most `max_seq_len` per row) spread over
+        """One eager step through the real model and sampler at the largest batch the scheduler
+        can form: `max_num_tokens` tokens (at most `max_seq_len` per row) spread over
         `max_batch_size` prefill rows, every row sampled with top-k, top-p, penalties and log
         probs (the sampler's largest temporaries).
 
@@ -197,10 +290,12 @@ class Worker:
                                     top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1,
                                     generator=torch.Generator(self.device).manual_seed(i),
                                     return_log_probs=True))
-        real_caches = self.kv_caches
+        real_caches, runner = self.kv_caches, self.graph_runner
         self.kv_caches = allocate_kv_caches(self.model_config, 1, self.block_size, self.dtype,
                                             self.device)
+        self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:
             self.execute(SchedulerOutput(scheduled), rows)
         finally:
-            self.kv_caches = real_caches
+            self.kv_caches, self.graph_runner = real_caches, runner
+

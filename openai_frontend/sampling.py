@@ -68,7 +68,10 @@ def _engine_requests(req: GenerationRequest, prompt: str, max_tokens: int, num_c
     base = EngineRequest(
         prompt=prompt, max_tokens=max_tokens, add_special_tokens=add_special_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_p=req.top_p, top_k=req.top_k, frequency_penalty=req.frequency_penalty,
+        # OpenAI's top_p defaults to 1 (sample from everything). The engine follows TensorRT-LLM,
+        # where no top_p and no top_k mean greedy whatever the temperature, so send it.
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
+        frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
         # The engine never ends before min_tokens, so ignore_eos is min_tokens = max_tokens.
         min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs)

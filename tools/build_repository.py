@@ -2,7 +2,7 @@
 
     python tools/build_repository.py --model path/to/hf_dir --out build/repository [--key value ...]
 
-Copies the four models, fills every `config.pbtxt` template from one consistent set of values
+Copies the five models, fills every `config.pbtxt` template from one consistent set of values
 (the defaults below, overridden by `--<key> value` or `--set k1:v1,k2:v2` in fill_template's
 syntax), refuses to write a config that still holds a placeholder (and names it), and checks
 each result against `ensemble.io_contract` by parsing it as Triton's ModelConfig protobuf.
@@ -59,8 +59,8 @@ DEFAULTS = {
     "kv_cache_cpu_mem_bytes": "",
     "tokens_per_block": "32",
     "enable_kv_cache_reuse": "false",
-    # NVIDIA defaults to false; returning the prompt is the most common surprise (user complaint).
-    "exclude_input_in_output": "true",
+    # NVIDIA's default: the non-streamed output_ids/text start with the prompt.
+    "exclude_input_in_output": "false",
     "normalize_log_probs": "true",
     "cancellation_check_period_ms": "100",
     "stats_check_period_ms": "100",
@@ -68,6 +68,53 @@ DEFAULTS = {
     # attention_backend, cuda_graph_mode, cuda_graph_cache_size, ...: declared once, with the
     # engine's defaults, in inflight/serving/params.py KNOBS.
     **template_defaults(),
+    # Dtypes NVIDIA's templates leave to fill_template; DTYPE_CHOICES lists what we accept.
+    "logits_datatype": "TYPE_FP32",
+    "encoder_input_features_data_type": "TYPE_FP16",
+    "prompt_embedding_table_data_type": "TYPE_FP16",
+    # NVIDIA's keys for features this engine lacks; unset (see the templates).
+    "encoder_engine_dir": "",
+    "max_attention_window_size": "",
+    "sink_token_length": "",
+    "cross_kv_cache_fraction": "",
+    "kv_cache_host_memory_bytes": "",
+    "kv_cache_onboard_blocks": "",
+    "enable_trt_overlap": "",
+    "request_stats_max_iterations": "",
+    "gpu_device_ids": "",
+    "participant_ids": "",
+    "num_nodes": "",
+    "lora_cache_optimal_adapter_size": "",
+    "lora_cache_max_adapter_size": "",
+    "lora_cache_gpu_memory_fraction": "",
+    "lora_cache_host_memory_bytes": "",
+    "lora_prefetch_dir": "",
+    "decoding_mode": "",
+    "lookahead_window_size": "",
+    "lookahead_ngram_size": "",
+    "lookahead_verification_set_size": "",
+    "medusa_choices": "",
+    "eagle_choices": "",
+    "gpu_weights_percent": "",
+    "speculative_decoding_fast_logits": "",
+    "guided_decoding_backend": "",
+    "xgrammar_tokenizer_info_path": "",
+    "multimodal_model_path": "",
+    "max_num_images": "",
+    # tensorrt_llm_bls (NVIDIA's keys and defaults).
+    "bls_instance_count": "1",
+    "accumulate_tokens": "false",
+    "tensorrt_llm_model_name": "tensorrt_llm",
+    "tensorrt_llm_draft_model_name": "",
+    "multimodal_encoders_name": "",
+}
+
+# The engine computes logits in fp32 and returns them so; the other two feed inputs that the
+# engine refuses anyway (see the README), so any float type NVIDIA offers is fine.
+DTYPE_CHOICES = {
+    "logits_datatype": ("TYPE_FP32",),
+    "encoder_input_features_data_type": ("TYPE_FP16", "TYPE_BF16", "TYPE_FP32"),
+    "prompt_embedding_table_data_type": ("TYPE_FP16", "TYPE_BF16", "TYPE_FP32"),
 }
 
 
@@ -75,8 +122,15 @@ class BuildError(RuntimeError):
     pass
 
 
-def check_config(text: str, model: str, path: Path) -> None:
-    """Parse as Triton's ModelConfig and compare its tensors with the I/O contract."""
+def check_values(values: dict[str, str]) -> None:
+    for key, choices in DTYPE_CHOICES.items():
+        if values.get(key) not in choices:
+            raise BuildError(f"{key} must be {' or '.join(choices)}, got '{values.get(key)}'")
+
+
+def check_config(text: str, model: str, path: Path, values: dict[str, str]) -> None:
+    """Parse as Triton's ModelConfig and compare its tensors with the I/O contract: names,
+    dtypes, dims, optionality, reshape and ragged batching."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -87,14 +141,20 @@ def check_config(text: str, model: str, path: Path) -> None:
     contract = MODELS[model]
     for kind, declared, expected in (("input", config.input, contract.inputs),
                                      ("output", config.output, contract.outputs)):
-        got = {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims)) for t in declared}
-        want = {t.name: (t.dtype, t.dims) for t in expected}
+        is_input = kind == "input"
+        got = {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims),
+                        is_input and t.optional, t.HasField("reshape"), is_input and t.allow_ragged_batch)
+               for t in declared}
+        want = {t.name: (values[t.dtype_var] if t.dtype_var else t.dtype, t.dims,
+                         is_input and t.optional, t.reshape_scalar, t.allow_ragged_batch)
+                for t in expected}
         if got != want:
             diff = sorted(set(got.items()) ^ set(want.items()))
             raise BuildError(f"{path}: {kind}s differ from ensemble/io_contract.py: {diff}")
 
 
 def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
+    check_values(values)
     if out.exists():
         if not force and any(out.iterdir()):
             raise BuildError(f"{out} exists and is not empty; pass --force to replace it")
@@ -107,7 +167,7 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
         if left:
             raise BuildError(f"{path}: no value for {', '.join('${' + v + '}' for v in left)}; "
                              f"pass --{left[0]} VALUE")
-        check_config(text, model, path)
+        check_config(text, model, path, values)
         path.write_text(text)
     return out
 

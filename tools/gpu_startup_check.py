@@ -45,7 +45,7 @@ def main() -> int:
     if on_cuda:
         free_at_start, total = torch.cuda.mem_get_info()
         print(f"GPU {torch.cuda.get_device_name()}: {free_at_start / GIB:.2f} of {total / GIB:.2f} GiB free")
-    engine = LLMEngine(str(args.model), config)
+    engine = LLMEngine.from_dir(str(args.model), config)
     worker = engine.worker
     kv_bytes = sum(c.numel() * c.element_size() for c in worker.kv_caches)
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())

@@ -30,7 +30,9 @@ class Scheduler:
 
     Engine flow per step: `out = schedule()`; the model runs `out`; `update(out)`; the engine
     appends the sampled token of every row with `is_sampled`; `finish(seq)` for finished (or
-    cancelled) sequences.
+    cancelled) sequences. An overlapping engine appends a placeholder for the sampled token
+    first and fills it in one step later (`Sequence` only counts tokens, so scheduling is the
+    same); a sequence may then be finished while its next step is already running.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
@@ -142,6 +144,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and num_budget_tokens > 0:
             seq = self.running[index]
+            if seq.num_generated_tokens >= seq.max_new_tokens:
+                # Its last token is being sampled (an overlapped step): it finishes when that
+                # token arrives and never computes more. (Never seen by synchronous engines.)
+                index += 1
+                continue
             num_new = self._num_new_tokens(seq, num_budget_tokens)
             if num_new == 0:
                 index += 1
@@ -175,6 +182,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
         """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""
+        if not self.waiting:
+            return  # the common decode step: skip the O(running) reservation sum
         num_reserved_blocks = 0
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             num_reserved_blocks = sum(self.block_manager.num_blocks_for(s.max_total_tokens)

@@ -80,12 +80,15 @@ class KvCacheConfig:
 
 @dataclass(frozen=True)
 class ExtendedRuntimePerfKnobConfig:
-    """TensorRT-LLM's runtime performance knobs (same names and defaults).
+    """TensorRT-LLM's runtime performance knobs (same names; defaults below).
 
     `cuda_graph_mode` replays decode steps from CUDA graphs captured at start-up, one per
     decode batch-size bucket (`cuda_graph_batch_sizes`); a step of B rows runs in the smallest
     captured bucket >= B, padded, and larger or mixed steps run eagerly. It needs an attention
-    backend with `supports_cuda_graphs` and is ignored on a CPU.
+    backend with `supports_cuda_graphs` and is ignored on a CPU. None (pbtxt "auto", our
+    default) turns it on wherever it can run: users of this engine expect the fast path
+    without tuning, while TensorRT-LLM's default (false) would leave small models launch-bound;
+    write false for eager decode (debugging, profiling single kernels).
     `cuda_graph_cache_size` is how many buckets are captured: 0 means all of them.
     `multi_block_mode` lets decode attention split a long context over several thread blocks
     (split-K) in the Triton backend. `enable_context_fmha_fp32_acc` is accepted for
@@ -94,7 +97,7 @@ class ExtendedRuntimePerfKnobConfig:
 
     multi_block_mode: bool = True
     enable_context_fmha_fp32_acc: bool = False
-    cuda_graph_mode: bool = False
+    cuda_graph_mode: bool | None = None
     cuda_graph_cache_size: int = 0
 
     def __post_init__(self) -> None:
@@ -133,9 +136,15 @@ class ExecutorConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     extended_runtime_perf_knob_config: ExtendedRuntimePerfKnobConfig = field(
         default_factory=ExtendedRuntimePerfKnobConfig)
-    # auto: the device's default (the torch reference today); torch: plain torch (CPU, CUDA);
-    # triton: Triton-language paged kernels (CUDA only).
+    # auto: the device's default (triton on CUDA, torch on the CPU); torch: plain torch (CPU,
+    # CUDA); triton: Triton-language paged kernels and fused ops (CUDA only).
     attention_backend: str = "auto"
+    # Overlapped scheduling: the host schedules step N+1 and turns step N-1's tokens into
+    # responses while the GPU runs step N (sampled ids feed the next step on the device).
+    # None (auto): on with CUDA, off on the CPU. Requests that need their tokens on the host
+    # before the next step (logits processors, penalties, multi-token bad words) make those
+    # steps synchronous. TensorRT-LLM's PyTorch backend calls it `disable_overlap_scheduler`.
+    enable_overlap_scheduler: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")

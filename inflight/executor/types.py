@@ -8,6 +8,7 @@ names the field and the rule, before it reaches the engine.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -34,13 +35,42 @@ class FinishReason(enum.Enum):
     CANCELLED = 5
 
 
+class InvalidValueError(RequestError):
+    """One field breaks its rule. The serving layer renames `field` to the input the client
+    sent (`runtime_top_p`, `top_p`, ...) before answering."""
+
+    def __init__(self, field: str, rule: str, value: Any) -> None:
+        self.field, self.rule, self.value = field, rule, value
+        super().__init__(f"{field} {rule}, got {value}")
+
+
+def _require(field: str, value: Any, ok: bool, rule: str) -> None:
+    if value is not None and not ok:
+        raise InvalidValueError(field, rule, value)
+
+
+def _finite(field: str, value: float | None) -> None:
+    # NaN fails every TensorRT-LLM range check; inf passes some (temperature) and then poisons
+    # the logits, so both are refused here, naming the field.
+    _require(field, value, value is None or math.isfinite(value), "must be a finite number")
+
+
 @dataclass
 class SamplingConfig:
-    """Sampling parameters of one request. None means "not set" (the default applies).
+    """Sampling parameters of one request (TensorRT-LLM's `executor.SamplingConfig`). None
+    means "not set": the default applies.
 
-    Greedy decoding is used when temperature is 0, top_k is 1, or none of temperature, top_k
-    and top_p is set. Unlike TensorRT-LLM, setting only `temperature` samples from the full
-    distribution (a top_k/top_p of 0 means "no limit").
+    Validation is TensorRT-LLM's (`samplingConfig.cpp`, the `check*` functions): beam_width > 0,
+    top_k >= 0, top_p in (0, 1], top_p_min in [0, 1], top_p_reset_ids >= 0, top_p_decay in
+    (0, 1], temperature >= 0, min_tokens >= 0, beam_search_diversity_rate >= 0,
+    repetition_penalty > 0, length_penalty >= 0, early_stopping >= 0, no_repeat_ngram_size >= 0,
+    num_return_sequences > 0 and, with beam search, <= beam_width; presence and frequency
+    penalties take any value. Ours on top: every float must be finite, seed in [0, 2^64).
+
+    Meaning, as in TensorRT-LLM's sampling layers: top_k 0 and an unset top_p mean "no top-k,
+    no top-p", which is greedy decoding, whatever the temperature; top_k 1 is greedy too.
+    Sampling needs top_k > 1 or a top_p (top_p 1.0 samples from the whole distribution).
+    Temperature 0 is greedy as well.
     """
 
     beam_width: int = 1
@@ -62,27 +92,52 @@ class SamplingConfig:
     num_return_sequences: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.beam_width == 1, f"beam_width must be 1 (beam search is not supported), got {self.beam_width}")
-        _check(self.num_return_sequences in (None, 1),
-               f"num_return_sequences must be 1, got {self.num_return_sequences}")
-        _check(self.top_k is None or self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(self.top_p is None or 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.temperature is None or self.temperature >= 0.0,
-               f"temperature must be >= 0, got {self.temperature}")
-        _check(self.repetition_penalty is None or self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(self.min_tokens is None or self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2^64), got {self.seed}")
+        for name in ("top_p", "top_p_min", "top_p_decay", "temperature", "beam_search_diversity_rate",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty"):
+            _finite(name, getattr(self, name))
+        _require("beam_width", self.beam_width, self.beam_width > 0, "must be > 0")
+        _require("top_k", self.top_k, self.top_k is None or self.top_k >= 0, "must be >= 0")
+        _require("top_p", self.top_p, self.top_p is None or 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        _require("top_p_min", self.top_p_min, self.top_p_min is None or 0.0 <= self.top_p_min <= 1.0,
+                 "must be in [0, 1]")
+        _require("top_p_reset_ids", self.top_p_reset_ids,
+                 self.top_p_reset_ids is None or self.top_p_reset_ids >= 0, "must be >= 0")
+        _require("top_p_decay", self.top_p_decay, self.top_p_decay is None or 0.0 < self.top_p_decay <= 1.0,
+                 "must be in (0, 1]")
+        _require("temperature", self.temperature, self.temperature is None or self.temperature >= 0.0,
+                 "must be >= 0")
+        _require("min_tokens", self.min_tokens, self.min_tokens is None or self.min_tokens >= 0, "must be >= 0")
+        for name in ("beam_search_diversity_rate", "length_penalty", "early_stopping", "no_repeat_ngram_size"):
+            value = getattr(self, name)
+            _require(name, value, value is None or value >= 0, "must be >= 0")
+        _require("repetition_penalty", self.repetition_penalty,
+                 self.repetition_penalty is None or self.repetition_penalty > 0.0, "must be > 0")
+        n = self.num_return_sequences
+        _require("num_return_sequences", n, n is None or n > 0, "must be > 0")
+        _require("num_return_sequences", n, n is None or self.beam_width == 1 or n <= self.beam_width,
+                 f"must be <= beam_width ({self.beam_width}) with beam search")
+        _require("seed", self.seed, self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)")
 
     @property
     def is_greedy(self) -> bool:
         if self.temperature == 0.0 or self.top_k == 1:
             return True
-        return self.temperature is None and not self.top_k and self.top_p is None
+        return not self.top_k and self.top_p is None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request returns: num_return_sequences, else beam_width beams in one."""
+        return self.num_return_sequences or 1
 
 
 @dataclass
 class OutputConfig:
+    """What a response carries besides the tokens (TensorRT-LLM's `executor.OutputConfig`).
+
+    Whether the engine can produce each part is the serving layer's question
+    (`inflight.executor.features`); the config itself only records the request.
+    """
+
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
@@ -90,9 +145,33 @@ class OutputConfig:
     return_encoder_output: bool = False
     return_perf_metrics: bool = False
 
+
+@dataclass
+class LoraConfig:
+    """TensorRT-LLM's `executor.LoraConfig`: an adapter by task id, with its weights the first
+    time. weights `[num_modules_layers, D*Hi + Ho*D]`, config rows `[module_id, layer, D]`."""
+
+    task_id: int
+    weights: Any | None = None
+    config: Any | None = None
+
+
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """TensorRT-LLM's `executor.GuidedDecodingParams`; `guide` is the schema, regex or grammar
+    (none for plain `json`)."""
+
+    guide_type: str
+    guide: str | None = None
+
     def __post_init__(self) -> None:
-        _check(not self.return_context_logits, "return_context_logits is not supported")
-        _check(not self.return_generation_logits, "return_generation_logits is not supported")
+        _require("guided_decoding_guide_type", self.guide_type, self.guide_type in GUIDE_TYPES,
+                 f"must be one of {', '.join(GUIDE_TYPES)}")
+        _check(self.guide_type == "json" or bool(self.guide),
+               f"guided_decoding_guide is required for guide type {self.guide_type}")
 
 
 @dataclass
@@ -113,6 +192,8 @@ class Request:
     bad_words: list[list[int]] | None = None
     stop_words: list[list[int]] | None = None
     embedding_bias: Any | None = None  # [vocab_size] floats (list, numpy array or tensor)
+    lora_config: LoraConfig | None = None
+    guided_decoding_params: GuidedDecodingParams | None = None
     client_id: int | None = None
     # Offline-API extension points (see inflight.runtime); not part of TensorRT-LLM's Request.
     logits_processor: Any | None = None
@@ -133,8 +214,30 @@ class Request:
 
 
 @dataclass
+class RequestPerfMetrics:
+    """Per-request metrics (TensorRT-LLM's `RequestPerfMetrics`, flattened under the names of
+    the Triton outputs): times in ns since the epoch, KV blocks, speculative-decoding counts."""
+
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    acceptance_rate: float = 0.0
+    total_accepted_draft_tokens: int = 0
+    total_draft_tokens: int = 0
+
+
+@dataclass
 class Result:
-    """What one response carries (beam width 1: one row per field)."""
+    """What one response carries: one row per beam in each per-beam field.
+
+    `context_logits` is `[prompt_len, vocab]` and `generation_logits` `[beam, tokens, vocab]`,
+    fp32, as TensorRT-LLM returns them; `sequence_index` tells the sequences of a request with
+    num_return_sequences > 1 apart.
+    """
 
     is_final: bool = False
     output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
@@ -148,6 +251,7 @@ class Result:
     num_output_tokens: int = 0
     context_logits: Any | None = None
     generation_logits: Any | None = None
+    request_perf_metrics: RequestPerfMetrics | None = None
 
 
 @dataclass

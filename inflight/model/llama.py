@@ -6,6 +6,10 @@ instead of three and two); `PackedLinear.parts` keeps the HF names of the rows i
 the loader fills each part from the checkpoint tensor of that name. The math follows
 transformers' modeling_llama / modeling_qwen2 / modeling_mistral (RMSNorm in fp32, rotate_half
 RoPE, SiLU-gated MLP), so fp32 results match HF to float noise.
+
+Norms, rotary and the MLP activation go through `self.ops` (`inflight.model.ops`): plain torch
+with the torch attention backend, fused Triton kernels with the triton backend (which needs
+the packed projections, so it always gets them).
 """
 
 from __future__ import annotations
@@ -18,25 +22,25 @@ from torch import nn
 
 from inflight.model.attention import AttentionBackend, get_attention_backend
 from inflight.model.config import ModelConfig
-from inflight.model.rotary import RotaryEmbedding, apply_rotary_signed
+from inflight.model.ops import TorchOps, select_ops
+from inflight.model.rotary import RotaryEmbedding
 from inflight.platform import lm_head_padded_rows
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """HF's LlamaRMSNorm; with `residual`, the residual add before it too (`TorchOps.add_rms_norm`)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: TorchOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops or TorchOps()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call (one fused kernel on CUDA); for
-        # bf16/fp16 input it computes in fp32 and rounds once to x's dtype, which is HF's
-        # `(x.float() * rsqrt(...)).to(dtype)` without the two cast kernels.
-        shape = (x.shape[-1],)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x, shape, eps=self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or (norm(residual + x), residual + x) when `residual` is given."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class PackedLinear(nn.Linear):
@@ -59,15 +63,11 @@ class PackedLinear(nn.Linear):
         return rows
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate then up) -> silu(gate) * up [T, I], computed in place in the gate half."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
+                 ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -87,10 +87,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """`sin_signed` comes from `RotaryEmbedding.cos_sin_signed`; `attn_metadata` from the
-        backend's `build_metadata`."""
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        """`rope` comes from `ops.rope_context`; `attn_metadata` from the backend's
+        `build_metadata` (or `graph_metadata`)."""
         num_tokens = x.shape[0]
         if self.packed:
             q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, Hq*D + 2*Hkv*D]
@@ -99,15 +99,15 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q = apply_rotary_signed(q, cos, sin_signed)
-        k = apply_rotary_signed(k, cos, sin_signed)
+        q, k = self.ops.apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, pack_projections: bool) -> None:
+    def __init__(self, config: ModelConfig, pack_projections: bool, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.packed = pack_projections
         if pack_projections:
@@ -120,32 +120,42 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
         return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
+                 ops: TorchOps) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, pack_projections)
-        self.mlp = MLP(config, pack_projections)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend, pack_projections, ops)
+        self.mlp = MLP(config, pack_projections, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Any,
+                kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's `h = h + attn(norm(h)); h = h + mlp(norm(h))` with each add carried into the
+        next norm: returns (this layer's MLP output, the residual stream before adding it)."""
+        if residual is None:  # the first layer: the residual stream is the embeddings
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
+                 ops: TorchOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, pack_projections)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, pack_projections, ops)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
 
@@ -167,7 +177,9 @@ class LlamaForCausalLM(nn.Module):
         backend = (attention_backend if isinstance(attention_backend, AttentionBackend)
                    else get_attention_backend(attention_backend))
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend, pack_projections)
+        self.ops = select_ops(backend.name)
+        self.packed = pack_projections or self.ops.requires_packed_projections
+        self.model = LlamaModel(config, backend, self.packed, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
@@ -182,15 +194,19 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        # RoPE tables for this step's positions, shared by every layer.
-        cos, sin = self.model.rotary_emb.cos_sin_signed(positions, hidden.dtype)  # [T, 1, D] each
+        # RoPE inputs for this step's positions, shared by every layer.
+        rope = self.ops.rope_context(self.model.rotary_emb, positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.model.norm(hidden)  # [T, hidden]
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+        return self.model.norm(hidden, residual)[0]  # [T, hidden]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] in float32 (written into `out` if given: a
+        CUDA graph's static buffer, so the cast to fp32 is the copy into it)."""
+        if out is not None:
+            return out.copy_(self.lm_head(hidden))
         num_rows = hidden.shape[0]
         padded_rows = lm_head_padded_rows(num_rows, hidden.device, hidden.dtype)
         if padded_rows != num_rows:  # a faster GEMM shape on this platform; zero rows are free

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, MutableMapping
 
 import torch
 from safetensors import safe_open
@@ -77,22 +78,44 @@ def _set_tensor(model: nn.Module, target: _Target, tensor: torch.Tensor) -> None
     param.data[target.start:target.start + target.shape[0]].copy_(tensor)
 
 
-def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
+           from_file: bool = True) -> torch.Tensor:
     """`tensor` cast and moved, in memory of its own.
 
     safetensors hands out CPU tensors backed by the file's mmap; when the cast and the move
     are no-ops (a bf16 checkpoint loaded as bf16 on the CPU) the weights would stay file
     pages (evictable, re-read from disk, and not aligned for vector loads), so copy them.
+    In-memory weights handed over by the caller are kept as they are.
     """
     out = tensor.to(device=device, dtype=dtype)
-    if out.data_ptr() == tensor.data_ptr():
+    if from_file and out.data_ptr() == tensor.data_ptr():
         out = out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
 
 
+def _checkpoint_tensors(model_dir: Path, weights: MutableMapping[str, torch.Tensor] | None
+                        ) -> Iterator[tuple[str, str, object]]:
+    """(name, where, tensor getter) for every tensor of the checkpoint files, or of `weights`
+    (popped one by one, so their memory is released as the model takes it over)."""
+    if weights is not None:
+        for name in list(weights):
+            yield name, "weights", lambda name=name: weights.pop(name)
+        return
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, path.name, lambda name=name, f=f: f.get_tensor(name)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               attention_backend: str = "torch") -> tuple[LlamaForCausalLM, ModelConfig]:
+               attention_backend: str = "torch",
+               weights: MutableMapping[str, torch.Tensor] | None = None
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
+
+    The tensors come from the folder's safetensors files, or from `weights` (HF names, e.g. a
+    random model built on the GPU for a benchmark; its entries are consumed) next to the
+    folder's config.json.
 
     Whether q/k/v and gate/up are packed follows `platform.packs_projections(device)`; either
     way every checkpoint tensor is checked by its HF name and shape. Raises ValueError naming
@@ -108,22 +131,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
 
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for path in _checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # tied: the head is the embedding matrix
-                if name not in expected:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                if tensor.shape != expected[name].shape:
-                    raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {path.name}, "
-                                     f"expected {tuple(expected[name].shape)} from config.json")
-                _set_tensor(model, expected[name], _owned(tensor, device, dtype))
-                loaded.add(name)
+    for name, where, get_tensor in _checkpoint_tensors(model_dir, weights):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the head is the embedding matrix
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        tensor = get_tensor()
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {where}, "
+                             f"expected {tuple(expected[name].shape)} from config.json")
+        _set_tensor(model, expected[name], _owned(tensor, device, dtype, from_file=weights is None))
+        loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "
                          f"{', '.join(sorted(unexpected)[:10])}"

@@ -11,8 +11,11 @@ Processing order for each row (all rows processed together as [S, vocab] tensors
   5. greedy rows: argmax; random rows: / temperature, top-k, top-p, then one draw from the
      row's own generator (exponential race), so a row's token never depends on its neighbours.
 
-The host builds index lists from the rows' token ids; the device work has no host syncs
-until the single `.tolist()` at the end.
+The host builds index lists from the rows' token ids; the device work has no host syncs.
+`sample_on_device` leaves the sampled ids (and log probs) on the device in a `DeviceSample`,
+whose `start_copy` queues their copy to pinned host memory and whose `result` waits for that
+copy alone (a CUDA event, not the whole stream): so the next step can be queued before the
+host reads this one's tokens. `sample` does both at once.
 """
 
 from __future__ import annotations
@@ -86,6 +89,46 @@ class SamplerOutput:
     log_probs: list[float | None]  # None for rows that did not ask for log probs
 
 
+@dataclass
+class DeviceSample:
+    """One step's sampled tokens, still on the logits' device (see the module docstring)."""
+
+    token_ids: torch.Tensor  # [S] int64
+    log_probs: torch.Tensor | None  # [S] float32 log prob of each chosen token, or None
+    wants_log_probs: list[bool]  # per row
+    _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
+    _ready: object = None  # torch.cuda.Event recorded after the copy
+
+    def start_copy(self) -> "DeviceSample":
+        """Queues the device -> host copy without waiting (CUDA); a no-op on the CPU."""
+        if self.token_ids.device.type != "cuda" or self._host is not None:
+            return self
+        values = self.token_ids
+        if self.log_probs is not None:  # one transfer for both: float64 holds every id exactly
+            values = torch.stack([self.token_ids.double(), self.log_probs.double()])
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+        return self
+
+    def result(self) -> SamplerOutput:
+        """The tokens on the host: waits for this step's copy only (the step's one host wait)."""
+        if self.token_ids.device.type == "cuda":
+            self.start_copy()
+            self._ready.synchronize()
+            values = self._host
+        elif self.log_probs is not None:
+            values = torch.stack([self.token_ids.double(), self.log_probs.double()])
+        else:
+            values = self.token_ids
+        if self.log_probs is None:
+            return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs))
+        token_list, log_prob_list = values.tolist()
+        return SamplerOutput([int(t) for t in token_list],
+                             [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)])
+
+
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=dtype), device)
 
@@ -106,11 +149,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [S, vocab] float32, one SamplingRow per logits row -> one token per row."""
+        return self.sample_on_device(logits, rows).result()
+
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """`sample` without reading the tokens back: no host sync."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
-        want_log_probs = any(r.return_log_probs for r in rows)
+        wants = [r.return_log_probs for r in rows]
+        want_log_probs = any(wants)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return DeviceSample(logits.argmax(dim=-1), None, wants)
 
         logits = self.process_logits(logits, rows)  # [S, vocab]
         if all(r.is_greedy for r in rows):
@@ -120,16 +168,12 @@ class Sampler:
             tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample_random(logits, rows))
 
         if not want_log_probs:
-            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+            return DeviceSample(tokens, None, wants)
         temperature = _to_device([1.0 if r.is_greedy else r.temperature for r in rows],
                                  torch.float32, logits.device).unsqueeze(1)  # [S, 1]
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
         chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
-        # One transfer for both: float64 holds every token id exactly.
-        token_list, log_prob_list = torch.stack([tokens.double(), chosen.double()]).tolist()
-        return SamplerOutput([int(t) for t in token_list],
-                             [lp if r.return_log_probs else None
-                              for lp, r in zip(log_prob_list, rows)])
+        return DeviceSample(tokens, chosen, wants)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from inflight.executor.config import ExecutorConfig
+from inflight.executor.features import ALL_FEATURES, BUILTIN_FEATURES, EngineFeatures
 
 BACKENDS = ("builtin", "tensorrtllm")
 
@@ -28,6 +29,13 @@ def create_executor(backend: str, model_path: str, config: ExecutorConfig) -> An
     if backend == "tensorrtllm":
         return TensorRTLLMExecutor(model_path, config)
     raise BackendUnavailable(f"unknown executor_backend '{backend}'; expected one of {', '.join(BACKENDS)}")
+
+
+def engine_features(backend: str, config: ExecutorConfig) -> EngineFeatures:
+    """What the chosen executor can serve; requests needing more are refused up front."""
+    if backend == "tensorrtllm":
+        return ALL_FEATURES
+    return dataclasses.replace(BUILTIN_FEATURES, max_beam_width=config.max_beam_width)
 
 
 class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is not installable here
@@ -62,8 +70,12 @@ class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is no
     def _convert(self, request):
         t = self._trtllm
         sampling = {k: v for k, v in dataclasses.asdict(request.sampling_config).items() if v is not None}
-        output = t.OutputConfig(return_log_probs=request.output_config.return_log_probs)
-        output.exclude_input_from_output = request.output_config.exclude_input_from_output
+        oc = request.output_config
+        output = t.OutputConfig(return_log_probs=oc.return_log_probs,
+                                return_context_logits=oc.return_context_logits,
+                                return_generation_logits=oc.return_generation_logits,
+                                return_perf_metrics=oc.return_perf_metrics)
+        output.exclude_input_from_output = oc.exclude_input_from_output
         return t.Request(input_token_ids=list(request.input_token_ids), max_tokens=request.max_tokens,
                          streaming=request.streaming, end_id=request.end_id, pad_id=request.pad_id,
                          stop_words=request.stop_words, bad_words=request.bad_words,

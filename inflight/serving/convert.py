@@ -1,13 +1,15 @@
 """Tensors of the `tensorrt_llm` Triton model ↔ executor requests and responses.
 
 Inputs arrive as numpy arrays with a leading batch dimension (NVIDIA's tensor names; see
-`ensemble.io_contract.TENSORRT_LLM`). A request with batch size N becomes N executor requests,
-answered with `batch_index`. Outputs are built per executor response, with the batch dimension
-of 1 that Triton expects from a decoupled model.
+`ensemble.io_contract.TENSORRT_LLM`; `inflight.serving.inputs` reads them). A request with batch
+size N becomes N executor requests, answered with `batch_index`. Outputs are built per executor
+response in NVIDIA's shapes: a batch dimension of 1, then beams (`output_ids` `[1, beam, len]`,
+`generation_logits` `[1, beam, len, vocab]`, `context_logits` `[1, prompt_len, vocab]`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,8 +17,9 @@ import numpy as np
 from ensemble.errors import InputError
 from ensemble.io_contract import CONTEXT_TOKENS
 from ensemble.word_list import parse_word_list
-from inflight.executor.types import (OutputConfig, Request, RequestError, Response,
-                                     SamplingConfig)
+from inflight.executor.features import BUILTIN_FEATURES, EngineFeatures, unsupported
+from inflight.executor.types import Request, RequestError, Response
+from inflight.serving import inputs as read
 
 
 @dataclass
@@ -29,6 +32,7 @@ class RequestOptions:
     return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    num_return_sequences: int = 1
 
 
 @dataclass(frozen=True)
@@ -50,44 +54,17 @@ class RowState:
     context_ids: list[int] = field(default_factory=list)
 
 
-def _row(inputs: dict[str, np.ndarray], name: str, row: int) -> np.ndarray | None:
-    """Row `row` of an optional input; a batch-1 input is shared by every row."""
-    arr = inputs.get(name)
-    if arr is None or arr.size == 0 and arr.ndim <= 2:
-        return None
-    if arr.shape[0] == 1:
-        return arr[0]
-    if row >= arr.shape[0]:
-        raise RequestError(f"input '{name}' has batch size {arr.shape[0]} but input_ids has more rows")
-    return arr[row]
-
-
-def _scalar(inputs: dict[str, np.ndarray], name: str, row: int, cast, check=None):
-    value = _row(inputs, name, row)
-    if value is None:
-        return None
-    flat = np.asarray(value).reshape(-1)
-    if flat.size != 1:
-        raise RequestError(f"input '{name}' must hold one value per request, got {flat.size}")
-    result = cast(flat[0])
-    if check is not None and not check(result):
-        raise RequestError(f"input '{name}' has an invalid value {result}")
-    return result
-
-
-def _default(value, default):
-    return default if value is None else value
-
-
 def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:
-    return bool(_scalar(inputs, "stop", 0, bool) or False)
+    return bool(read.scalar(inputs, "stop", 0, bool) or False)
 
 
 def request_rows(inputs: dict[str, np.ndarray], decoupled: bool, default_exclude_input: bool,
-                 limits: RequestLimits = RequestLimits()) -> tuple[list[Request], RequestOptions]:
+                 limits: RequestLimits = RequestLimits(),
+                 features: EngineFeatures = BUILTIN_FEATURES) -> tuple[list[Request], RequestOptions]:
     """Convert one Triton request into executor requests, one per batch row.
 
-    Raises RequestError / InputError with a sentence naming the input and the rule.
+    Raises RequestError / InputError with a sentence naming the input and the rule, or the
+    feature `features` lacks.
     """
     input_ids = inputs.get("input_ids")
     if input_ids is None:
@@ -99,29 +76,39 @@ def request_rows(inputs: dict[str, np.ndarray], decoupled: bool, default_exclude
     if batch_size > 1 and not decoupled:
         raise RequestError("Batch size > 1 requires the tensorrt_llm model to use the decoupled "
                            "transaction policy")
-    streaming = bool(_scalar(inputs, "streaming", 0, bool) or False)
+    streaming = bool(read.scalar(inputs, "streaming", 0, bool) or False)
     if streaming and not decoupled:
         raise RequestError("Streaming is only supported if model is deployed using decoupled mode.")
-    exclude = _scalar(inputs, "exclude_input_in_output", 0, bool)
+    read.check_unsupported(inputs)
+    exclude = read.scalar(inputs, "exclude_input_in_output", 0, bool)
+
+    def flag(name):
+        return bool(read.scalar(inputs, name, 0, bool) or False)
+
     options = RequestOptions(
         batch_size=batch_size, streaming=streaming,
         exclude_input=default_exclude_input if exclude is None else exclude,
-        return_log_probs=bool(_scalar(inputs, "return_log_probs", 0, bool) or False),
-        return_num_input_tokens=bool(_scalar(inputs, "return_num_input_tokens", 0, bool) or False),
-        return_num_output_tokens=bool(_scalar(inputs, "return_num_output_tokens", 0, bool) or False),
+        return_log_probs=flag("return_log_probs"),
+        return_num_input_tokens=flag("return_num_input_tokens"),
+        return_num_output_tokens=flag("return_num_output_tokens"),
     )
     requests = [_row_request(inputs, input_ids, row, options, limits) for row in range(batch_size)]
+    for request in requests:
+        reason = unsupported(request, features)
+        if reason:
+            raise RequestError(reason)
+    options.num_return_sequences = requests[0].sampling_config.num_sequences
     return requests, options
 
 
 def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOptions,
                  limits: RequestLimits) -> Request:
-    length = _scalar(inputs, "input_lengths", row, int)
+    length = read.scalar(inputs, "input_lengths", row, int)
     if length is None:
         raise RequestError("A value is required for input_lengths")
     if not 0 < length <= input_ids.shape[1]:
         raise RequestError(f"input_lengths is {length} but input_ids has {input_ids.shape[1]} tokens")
-    max_tokens = _scalar(inputs, "request_output_len", row, int)
+    max_tokens = read.scalar(inputs, "request_output_len", row, int)
     if max_tokens is None:
         raise RequestError("request_output_len is not present in the request")
     if max_tokens <= 0:
@@ -132,35 +119,21 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
     if limits.max_output_len is not None and max_tokens > limits.max_output_len:
         raise RequestError(f"request_output_len (max_tokens) is {max_tokens}, more than "
                            f"max_output_len ({limits.max_output_len}) allows")
-    min_tokens = _scalar(inputs, "min_tokens", row, int)
-    if min_tokens is None:
-        min_tokens = _scalar(inputs, "min_length", row, int)
-    top_p = _scalar(inputs, "runtime_top_p", row, float)
-    sampling = SamplingConfig(
-        beam_width=_default(_scalar(inputs, "beam_width", row, int), 1),
-        num_return_sequences=_scalar(inputs, "num_return_sequences", row, int),
-        top_k=_scalar(inputs, "runtime_top_k", row, int),
-        top_p=top_p,
-        temperature=_scalar(inputs, "temperature", row, float),
-        repetition_penalty=_scalar(inputs, "repetition_penalty", row, float),
-        presence_penalty=_scalar(inputs, "presence_penalty", row, float),
-        frequency_penalty=_scalar(inputs, "frequency_penalty", row, float),
-        min_tokens=min_tokens,
-        seed=_scalar(inputs, "seed", row, int),
-    )
-    bias = _row(inputs, "embedding_bias", row)
+    read.check_retention(inputs, row)
+    bias = read.row(inputs, "embedding_bias", row)
     return Request(
         input_token_ids=input_ids[row, :length].tolist(),
         max_tokens=max_tokens,
         streaming=options.streaming,
-        sampling_config=sampling,
-        output_config=OutputConfig(return_log_probs=options.return_log_probs,
-                                   exclude_input_from_output=options.exclude_input),
-        end_id=_scalar(inputs, "end_id", row, int),
-        pad_id=_scalar(inputs, "pad_id", row, int),
+        sampling_config=read.sampling_config(inputs, row),
+        output_config=read.output_config(inputs, row, options.exclude_input),
+        end_id=read.scalar(inputs, "end_id", row, int),
+        pad_id=read.scalar(inputs, "pad_id", row, int),
         stop_words=_words(inputs, "stop_words_list", row),
         bad_words=_words(inputs, "bad_words_list", row),
         embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
+        lora_config=read.lora_config(inputs, row),
+        guided_decoding_params=read.guided_decoding(inputs, row),
     )
 
 
@@ -175,33 +148,56 @@ def _words(inputs, name: str, row: int) -> list[list[int]] | None:
         raise RequestError(f"{name}: {exc}") from None
 
 
+def _beams(rows: list[list], dtype, pad) -> np.ndarray:
+    """Per-beam lists → `[1, beam, longest]`, shorter beams padded with `pad` (NVIDIA: -1)."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((1, len(rows), width), pad, dtype=dtype)
+    for beam, values in enumerate(rows):
+        out[0, beam, :len(values)] = values
+    return out
+
+
+def _one(value, dtype) -> np.ndarray:
+    return np.asarray([[value]], dtype=dtype)
+
+
 def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]:
-    """Output tensors for one executor response (beam width 1), batch dimension 1."""
+    """Output tensors for one executor response, in NVIDIA's shapes (batch dimension 1)."""
     result = response.result
     options = row.options
-    tokens = list(result.output_token_ids[0])
+    beams = [list(b) for b in result.output_token_ids]
     context = row.context_ids if options.streaming else []
     out = {
-        "output_ids": np.asarray([[tokens]], dtype=np.int32).reshape(1, 1, len(tokens)),
-        "sequence_length": np.asarray([[len(tokens)]], dtype=np.int32),
-        "stream_context_ids": np.asarray([[context]], dtype=np.int32).reshape(1, 1, len(context)),
-        "stream_context_length": np.asarray([[len(context)]], dtype=np.int32),
-        "is_final": np.asarray([[result.is_final]], dtype=np.bool_),
-        "request_key": np.asarray([[row.request_key]], dtype=np.uint64),
+        "output_ids": _beams(beams, np.int32, -1),
+        "sequence_length": np.asarray([[len(b) for b in beams]], dtype=np.int32),
+        "stream_context_ids": _beams([context] * len(beams), np.int32, -1),
+        "stream_context_length": np.asarray([[len(context)] * len(beams)], dtype=np.int32),
+        "is_final": _one(result.is_final, np.bool_),
+        "request_key": _one(row.request_key, np.uint64),
     }
     if options.streaming:
-        row.context_ids = (row.context_ids + tokens)[-CONTEXT_TOKENS:]
+        row.context_ids = (row.context_ids + beams[0])[-CONTEXT_TOKENS:]
     if options.return_log_probs:
-        log_probs = list(result.log_probs[0]) if result.log_probs else []
+        log_probs = [list(lp) for lp in result.log_probs] if result.log_probs else [[] for _ in beams]
         if not options.streaming and not options.exclude_input:
             # Prompt positions have no sampled log prob; NVIDIA pads them the same way.
-            log_probs = [0.0] * (len(tokens) - len(log_probs)) + log_probs
-        out["cum_log_probs"] = np.asarray([[result.cum_log_probs[0]]], dtype=np.float32)
-        out["output_log_probs"] = np.asarray([[log_probs]], dtype=np.float32).reshape(1, 1, len(log_probs))
+            log_probs = [[0.0] * (len(b) - len(lp)) + lp for b, lp in zip(beams, log_probs)]
+        out["cum_log_probs"] = np.asarray([result.cum_log_probs], dtype=np.float32)
+        out["output_log_probs"] = _beams(log_probs, np.float32, 0.0)
+    if result.context_logits is not None:
+        out["context_logits"] = np.asarray(result.context_logits, dtype=np.float32)[None]
+    if result.generation_logits is not None:
+        out["generation_logits"] = np.asarray(result.generation_logits, dtype=np.float32)[None]
     if options.batch_size > 1:
-        out["batch_index"] = np.asarray([[row.batch_index]], dtype=np.int32)
+        out["batch_index"] = _one(row.batch_index, np.int32)
+    if options.num_return_sequences > 1:
+        out["sequence_index"] = _one(result.sequence_index, np.int32)
+    if result.request_perf_metrics is not None:
+        for name, value in dataclasses.asdict(result.request_perf_metrics).items():
+            out[name] = _one(value, np.float32 if name == "acceptance_rate" else
+                             np.int64 if name.endswith("_ns") else np.int32)
     if options.return_num_input_tokens:
-        out["num_input_tokens"] = np.asarray([[result.num_input_tokens]], dtype=np.int32)
+        out["num_input_tokens"] = _one(result.num_input_tokens, np.int32)
     if options.return_num_output_tokens:
-        out["num_output_tokens"] = np.asarray([[result.num_output_tokens]], dtype=np.int32)
+        out["num_output_tokens"] = _one(result.num_output_tokens, np.int32)
     return out

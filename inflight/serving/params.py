@@ -16,6 +16,23 @@ def get_str(params: dict[str, str], key: str, default: str) -> str:
     return params.get(key, default)
 
 
+def get_auto_bool(params: dict[str, str], key: str, default: bool | None) -> bool | None:
+    """true / false, or auto (None: the engine decides per device)."""
+    if params.get(key, "").strip().lower() == "auto":
+        return None
+    try:
+        return get_bool(params, key, default)
+    except ConfigError:
+        raise ConfigError(f"parameter {key} must be auto, true or false, got '{params[key]}'") from None
+
+
+def _render(value) -> str:
+    """A default as `config.pbtxt` text: booleans lower-case as NVIDIA writes them, None as auto."""
+    if value is None:
+        return "auto"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 @dataclass(frozen=True)
 class Knob:
     """One engine parameter declared once: its pbtxt key, the config field it sets and how its
@@ -33,10 +50,11 @@ class Knob:
 
 
 # The GPU fast-path knobs. NVIDIA's keys where TensorRT-LLM has one (ExtendedRuntimePerfKnobConfig);
-# attention_backend is ours.
+# attention_backend and enable_overlap_scheduler are ours.
 KNOBS = (
     Knob("attention_backend", ExecutorConfig, "attention_backend", get_str),
-    Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_bool),
+    Knob("enable_overlap_scheduler", ExecutorConfig, "enable_overlap_scheduler", get_auto_bool),
+    Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_auto_bool),
     Knob("cuda_graph_cache_size", ExtendedRuntimePerfKnobConfig, "cuda_graph_cache_size", get_int),
     Knob("multi_block_mode", ExtendedRuntimePerfKnobConfig, "multi_block_mode", get_bool),
     Knob("enable_context_fmha_fp32_acc", ExtendedRuntimePerfKnobConfig,
@@ -50,8 +68,7 @@ def _knob_fields(owner: type, params: dict[str, str]) -> dict:
 
 def template_defaults() -> dict[str, str]:
     """Each knob's default as `config.pbtxt` text (booleans lower-case, as NVIDIA writes them)."""
-    return {k.key: str(k.default).lower() if isinstance(k.default, bool) else str(k.default)
-            for k in KNOBS}
+    return {k.key: _render(k.default) for k in KNOBS}
 
 
 def executor_config(params: dict[str, str], max_queue_size: int | None = None) -> ExecutorConfig:
@@ -84,3 +101,21 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
         **_knob_fields(ExecutorConfig, params),
     )
+
+
+# NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them
+# so NVIDIA's fill_template commands work, and a value set for one has no effect.
+IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_length",
+                "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
+                "enable_trt_overlap", "request_stats_max_iterations", "gpu_device_ids", "participant_ids",
+                "num_nodes", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
+                "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
+                "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
+                "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
+                "xgrammar_tokenizer_info_path")
+
+
+def ignored_parameters(params: dict[str, str]) -> list[str]:
+    """The NVIDIA keys set in `params` that this engine does not act on."""
+    return [key for key in IGNORED_KEYS if key in params]

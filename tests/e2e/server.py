@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 import build_repository  # noqa: E402
 import launch_triton_server  # noqa: E402
 
-from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM  # noqa: E402
+from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BLS  # noqa: E402
 
 
 def free_ports(count: int) -> list[int]:
@@ -119,8 +119,9 @@ class Server:
         try:
             with urllib.request.urlopen(request, timeout=120) as reply:
                 lines = [line.decode().strip() for line in reply]
-        except urllib.error.HTTPError as exc:
-            return [json.loads(exc.read().decode())]
+        except urllib.error.HTTPError as exc:  # /generate_stream's error is an SSE event too
+            lines = [line.strip() for line in exc.read().decode().splitlines()]
+            return [json.loads(line.removeprefix("data: ")) for line in lines if line]
         return [json.loads(line.removeprefix("data: ")) for line in lines if line]
 
     def stream(self, values: dict, model: str = "ensemble", request_id: str = "",
@@ -162,7 +163,7 @@ class StreamResult:
 def make_inputs(values: dict, model: str = "ensemble") -> list:
     import tritonclient.grpc as grpcclient
 
-    contract = ENSEMBLE if model == "ensemble" else TENSORRT_LLM
+    contract = {"ensemble": ENSEMBLE, "tensorrt_llm_bls": TENSORRT_LLM_BLS}.get(model, TENSORRT_LLM)
     inputs = []
     for name, value in values.items():
         try:

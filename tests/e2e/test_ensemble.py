@@ -9,7 +9,8 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-CHAT = {"apply_chat_template": True}
+# Completions only (NVIDIA's default, false, echoes the prompt in non-streamed answers).
+CHAT = {"apply_chat_template": True, "exclude_input_in_output": True}
 
 
 def test_chat_prompt_answers_paris(server):
@@ -48,8 +49,8 @@ def test_exclude_input_in_output_returns_only_the_completion(server):
 
 def test_optional_outputs(server):
     result = server.stream({"text_input": "Hello", "max_tokens": 5, "stream": False,
-                            "return_log_probs": True, "return_num_input_tokens": True,
-                            "return_num_output_tokens": True, "temperature": 0.8, "seed": 7})
+                            "exclude_input_in_output": True, "return_log_probs": True, "return_num_input_tokens": True,
+                            "return_num_output_tokens": True, "temperature": 0.8, "top_p": 1.0, "seed": 7})
     assert result.error is None, result.error
     out = result.outputs[-1]
     assert out["num_input_tokens"].reshape(-1)[0] > 0

@@ -44,7 +44,8 @@ class Launcher:
     def __init__(self, repository: Path, work_dir: Path):
         http_port, grpc_port, metrics_port = free_ports(3)
         self.ports = (http_port, grpc_port, metrics_port)
-        self.server = Server(http_port, grpc_port, metrics_port, work_dir / "server.log")
+        self.server = Server(http_port, grpc_port, metrics_port, work_dir / "server.log",
+                             pid=0)  # known once the launcher reports ready
         self.process = subprocess.Popen(
             [sys.executable, str(REPO_ROOT / "tools" / "launch_triton_server.py"),
              "--model_repo", str(repository), "--http_port", str(http_port), "--grpc_port", str(grpc_port),
@@ -63,6 +64,7 @@ class Launcher:
         flag = f"--http-port={self.ports[0]}".encode()
         [pid] = [int(p.name) for p in Path("/proc").iterdir()
                  if p.name.isdigit() and flag in _cmdline(p) and b"tritonserver" in _cmdline(p)]
+        self.server.pid = pid
         return pid
 
     def stop(self):

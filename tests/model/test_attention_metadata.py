@@ -97,5 +97,6 @@ def test_attention_backend_resolution():
     with pytest.raises(ConfigError, match="attention_backend must be auto or one of"):
         resolve_attention_backend("flash", cpu)
     cuda = torch.device("cuda")
+    assert resolve_attention_backend("auto", cuda, cuda_graph_mode=True) == "triton"
     with pytest.raises(ConfigError, match="cuda_graph_mode needs an attention backend that supports"):
-        resolve_attention_backend("auto", cuda, cuda_graph_mode=True)
+        resolve_attention_backend("torch", cuda, cuda_graph_mode=True)

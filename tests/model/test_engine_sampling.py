@@ -156,7 +156,7 @@ def test_embedding_bias_forces_token(engine, prompts, greedy):
 
 def test_log_probs_sum_to_cum_log_probs(engine, prompts):
     recorders = [RecordLogits(), RecordLogits()]
-    configs = [SamplingConfig(), SamplingConfig(temperature=0.7, seed=11)]
+    configs = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=1.0, seed=11)]
     results = run(engine, [gen_request(prompts[0], 8, end_id=-1, return_log_probs=True,
                                        sampling_config=sc, logits_processor=rec)
                            for sc, rec in zip(configs, recorders)])

@@ -30,8 +30,17 @@ def test_unset_and_unfilled_knobs_keep_the_dataclass_defaults():
     assert params.executor_config({}) == ExecutorConfig()
     assert ExecutorConfig().attention_backend == "auto"
     assert ExecutorConfig().extended_runtime_perf_knob_config == ExtendedRuntimePerfKnobConfig(
-        multi_block_mode=True, enable_context_fmha_fp32_acc=False, cuda_graph_mode=False,
-        cuda_graph_cache_size=0)  # TensorRT-LLM's defaults
+        multi_block_mode=True, enable_context_fmha_fp32_acc=False, cuda_graph_mode=None,
+        cuda_graph_cache_size=0)  # TensorRT-LLM's, but graphs "auto" (on where they can run)
+    assert ExecutorConfig().enable_overlap_scheduler is None  # auto: on with CUDA
+
+
+@pytest.mark.parametrize("text, value", [("auto", None), ("AUTO", None), ("true", True), ("0", False)])
+def test_auto_knobs_read_both_ways(text, value):
+    config = params.executor_config({"cuda_graph_mode": text, "enable_overlap_scheduler": text,
+                                     "device": "cuda"})
+    assert config.extended_runtime_perf_knob_config.cuda_graph_mode is value
+    assert config.enable_overlap_scheduler is value
 
 
 def test_builder_renders_the_declared_defaults():
@@ -40,9 +49,9 @@ def test_builder_renders_the_declared_defaults():
         import build_repository
     finally:
         sys.path.remove(str(TOOLS))
-    assert template_defaults() == {"attention_backend": "auto", "cuda_graph_mode": "false",
-                                   "cuda_graph_cache_size": "0", "multi_block_mode": "true",
-                                   "enable_context_fmha_fp32_acc": "false"}
+    assert template_defaults() == {"attention_backend": "auto", "enable_overlap_scheduler": "auto",
+                                   "cuda_graph_mode": "auto", "cuda_graph_cache_size": "0",
+                                   "multi_block_mode": "true", "enable_context_fmha_fp32_acc": "false"}
     for knob in KNOBS:
         assert build_repository.DEFAULTS[knob.key] == template_defaults()[knob.key]
         # The rendered default reads back as the dataclass default.
@@ -57,7 +66,9 @@ def test_builder_renders_the_declared_defaults():
     ({"attention_backend": "triton", "device": "cpu"},
      "attention_backend 'triton' needs a CUDA device, but device is 'cpu'"),
     ({"cuda_graph_mode": "true", "device": "cpu"}, "cuda_graph_mode needs a CUDA device"),
-    ({"cuda_graph_mode": "maybe"}, "parameter cuda_graph_mode must be true or false"),
+    ({"cuda_graph_mode": "maybe"}, "parameter cuda_graph_mode must be auto, true or false"),
+    ({"enable_overlap_scheduler": "yes please"},
+     "parameter enable_overlap_scheduler must be auto, true or false"),
     ({"cuda_graph_cache_size": "-1"}, "cuda_graph_cache_size must be >= 0, got -1"),
     ({"cuda_graph_cache_size": "all"}, "parameter cuda_graph_cache_size must be an integer"),
 ])

@@ -16,7 +16,8 @@ from tests.conftest import REPO_ROOT
 TORCH_FREE = [
     "inflight.core.block_manager", "inflight.core.scheduler", "inflight.core.sequence",
     "inflight.core.outputs", "inflight.executor.types", "inflight.executor.config",
-    "inflight.executor.stats", "inflight.serving.convert", "inflight.serving.params",
+    "inflight.executor.stats", "inflight.executor.features", "inflight.serving.convert",
+    "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
     "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",
     "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
     "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",

@@ -126,7 +126,8 @@ def test_chat_plan_renders_the_template_and_asks_for_no_extra_special_tokens():
     [request] = plan.requests
     assert request.prompt == "<user>Hi there<assistant>"
     assert request.add_special_tokens is False and request.max_tokens == 5
-    assert request.temperature == 1.0  # OpenAI's default, not greedy
+    # OpenAI's defaults, not greedy: without a top_p the engine (as TensorRT-LLM) would be greedy
+    assert request.temperature == 1.0 and request.top_p == 1.0
 
 
 def test_chat_default_max_tokens_fills_the_context():

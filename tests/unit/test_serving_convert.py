@@ -8,7 +8,8 @@ import pytest
 from ensemble import params as pbtxt
 from ensemble.io_contract import CANCEL_KEY_PREFIX
 from inflight.executor.config import CapacitySchedulerPolicy, ConfigError
-from inflight.executor.types import FinishReason, RequestError, Response, Result
+from inflight.executor.features import EngineFeatures
+from inflight.executor.types import FinishReason, RequestError, RequestPerfMetrics, Response, Result
 from inflight.serving import convert, params
 
 
@@ -51,10 +52,40 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
     ({"streaming": np.array([True])}, False, "Streaming is only supported if model is deployed using decoupled mode"),
     ({"request_output_len": np.array([[0]], dtype=np.int32)}, True, "must be > 0"),
     ({"input_lengths": np.array([[9]], dtype=np.int32)}, True, "input_lengths is 9"),
-    ({"runtime_top_p": np.array([1.5], dtype=np.float32)}, True, "top_p must be in (0, 1]"),
+    ({"runtime_top_p": np.array([1.5], dtype=np.float32)}, True,
+     "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
     ({"temperature": np.array([-1.0], dtype=np.float32)}, True, "temperature must be >= 0"),
-    ({"runtime_top_k": np.array([-2], dtype=np.int32)}, True, "top_k must be >= 0"),
-    ({"beam_width": np.array([4], dtype=np.int32)}, True, "beam_width must be 1"),
+    ({"temperature": np.array([np.nan], dtype=np.float32)}, True, "temperature must be a finite number"),
+    ({"runtime_top_k": np.array([-2], dtype=np.int32)}, True, "runtime_top_k (the ensemble's top_k) must be >= 0"),
+    ({"len_penalty": np.array([-2.0], dtype=np.float32)}, True,
+     "len_penalty (the ensemble's length_penalty) must be >= 0"),
+    ({"beam_width": np.array([4], dtype=np.int32)}, True,
+     "beam_width 4 is not supported yet by this engine (max_beam_width is 1)"),
+    ({"beam_width": np.array([-1], dtype=np.int32)}, True, "beam_width must be > 0, got -1"),
+    ({"runtime_top_p_decay": np.array([0.5], dtype=np.float32)}, True, "runtime_top_p_decay 0.5 is not supported"),
+    ({"runtime_top_p_decay": np.array([1.5], dtype=np.float32)}, True, "runtime_top_p_decay must be in (0, 1]"),
+    ({"num_return_sequences": np.array([2], dtype=np.int32)}, True,
+     "num_return_sequences 2 is not supported yet by this engine"),
+    ({"return_context_logits": np.array([True])}, True, "return_context_logits is not supported yet"),
+    ({"return_generation_logits": np.array([True])}, True, "return_generation_logits is not supported yet"),
+    ({"return_perf_metrics": np.array([True])}, True, "return_perf_metrics is not supported yet"),
+    ({"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, True,
+     "guided decoding (guided_decoding_guide_type) is not supported yet"),
+    ({"guided_decoding_guide_type": np.array([[b"yaml"]], dtype=object)}, True,
+     "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got yaml"),
+    ({"lora_task_id": np.array([[3]], dtype=np.uint64)}, True, "LoRA is not supported yet by this engine"),
+    ({"lora_weights": np.zeros((1, 2, 4), dtype=np.float16)}, True, "need a lora_task_id"),
+    ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, True,
+     "input 'prompt_embedding_table': prompt tuning (p-tuning) is not supported by this engine"),
+    ({"draft_input_ids": np.array([[4, 5]], dtype=np.int32)}, True, "external draft tokens is not supported"),
+    ({"lookahead_window_size": np.array([[7]], dtype=np.int32)}, True,
+     "can only be set if the model instance lookahead parameters are also specified"),
+    ({"retention_token_range_starts": np.array([[0]], dtype=np.int32)}, True,
+     "retention_token_range_ends must be provided."),
+    ({"retention_token_range_starts": np.array([[0]], dtype=np.int32),
+      "retention_token_range_ends": np.array([[4, 8]], dtype=np.int32),
+      "retention_token_range_priorities": np.array([[50]], dtype=np.int32)}, True,
+     "Invalid retention_token_range_ends length. Expected length 1, got length 2"),
     ({"stop_words_list": np.array([[[11, 12], [5, -1]]], dtype=np.int32)}, True, "offsets past the end"),
 ])
 def test_bad_tensors_raise_a_clear_request_error(values, decoupled, message):
@@ -143,3 +174,45 @@ def test_tensorrtllm_backend_without_the_package_fails_with_one_clear_sentence()
                                "to 'builtin'")
     with pytest.raises(BackendUnavailable, match="unknown executor_backend 'vllm'"):
         create_executor("vllm", "unused", params.executor_config({}))
+
+
+def test_responses_have_nvidia_shapes_beams_padded_with_minus_one():
+    options = convert.RequestOptions(return_log_probs=True, exclude_input=True, num_return_sequences=2)
+    row = convert.RowState(batch_index=0, options=options)
+    result = Result(is_final=True, output_token_ids=[[5, 6, 7], [8]], cum_log_probs=[-1.0, -2.0],
+                    log_probs=[[-0.1, -0.2, -0.7], [-2.0]], sequence_index=1,
+                    context_logits=np.zeros((3, 11), np.float32),
+                    generation_logits=np.zeros((2, 3, 11), np.float32),
+                    request_perf_metrics=RequestPerfMetrics(arrival_time_ns=10, kv_cache_reused_blocks=2))
+    out = convert.response_tensors(Response(1, result), row)
+    assert out["output_ids"].tolist() == [[[5, 6, 7], [8, -1, -1]]]
+    assert out["sequence_length"].tolist() == [[3, 1]]
+    assert out["cum_log_probs"].shape == (1, 2) and out["output_log_probs"].shape == (1, 2, 3)
+    assert out["context_logits"].shape == (1, 3, 11) and out["generation_logits"].shape == (1, 2, 3, 11)
+    assert out["sequence_index"].tolist() == [[1]] and "batch_index" not in out
+    assert out["arrival_time_ns"].dtype == np.int64 and out["kv_cache_reused_blocks"].tolist() == [[2]]
+    assert out["acceptance_rate"].dtype == np.float32
+
+
+def test_a_feature_the_engine_has_is_let_through():
+    inputs = _inputs(return_perf_metrics=np.array([True]), beam_width=np.array([1], dtype=np.int32),
+                     num_return_sequences=np.array([0], dtype=np.int32),
+                     runtime_top_p=np.array([0.0], dtype=np.float32))
+    with_metrics = EngineFeatures(perf_metrics=True)
+    [request], options = convert.request_rows(inputs, decoupled=True, default_exclude_input=False,
+                                              features=with_metrics)
+    assert request.output_config.return_perf_metrics
+    # NVIDIA's meanings: top_p <= 0 is "not set", num_return_sequences 0 is 1.
+    assert request.sampling_config.top_p is None and options.num_return_sequences == 1
+    assert request.sampling_config.is_greedy
+
+
+def test_decoder_ids_retention_hints_and_prompt_table_ids_alone_are_accepted():
+    inputs = _inputs(decoder_input_ids=np.array([[2]], dtype=np.int32),
+                     decoder_input_lengths=np.array([[1]], dtype=np.int32),
+                     prompt_table_extra_ids=np.array([[7, 7, 7]], dtype=np.uint64),
+                     retention_token_range_starts=np.array([[0]], dtype=np.int32),
+                     retention_token_range_ends=np.array([[-1]], dtype=np.int32),
+                     retention_token_range_priorities=np.array([[80]], dtype=np.int32))
+    [request], _ = convert.request_rows(inputs, decoupled=True, default_exclude_input=False)
+    assert request.input_token_ids == [5, 6, 7]

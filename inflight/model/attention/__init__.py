@@ -8,13 +8,16 @@ nothing until it is asked for, and then fails with one clear sentence.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ensemble.errors import ConfigError
-from inflight.model.attention.base import AttentionBackend
+from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers
 from inflight.model.attention.metadata import Row, StepMetadata, cdiv
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,10 @@ ATTENTION_BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry("inflight.model.attention.torch_ref:TorchPagedAttention", ("cpu", "cuda")),
     "triton": BackendEntry("inflight.model.attention.triton_paged:TritonPagedAttention", ("cuda",)),
 }
-# What attention_backend "auto" means per device type. CUDA stays on the torch reference until
-# the Triton kernels are in and checked on the GPU.
-DEFAULT_ATTENTION_BACKENDS = {"cpu": "torch", "cuda": "torch"}
+# What attention_backend "auto" means per device type: the paged Triton kernels on CUDA (the
+# torch reference where triton is not installed), the torch reference on the CPU.
+DEFAULT_ATTENTION_BACKENDS = {"cpu": "torch", "cuda": "triton"}
+_FALLBACK_BACKEND = "torch"
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
@@ -55,6 +59,12 @@ def resolve_attention_backend(name: str, device: torch.device, cuda_graph_mode: 
     """The backend that `attention_backend` = `name` means on `device`, checked against the
     device and `cuda_graph_mode`. Raises ConfigError naming the parameter."""
     resolved = DEFAULT_ATTENTION_BACKENDS[device.type] if name == "auto" else name
+    if name == "auto" and resolved != _FALLBACK_BACKEND:
+        try:
+            attention_backend_class(resolved)
+        except ValueError as exc:
+            logger.warning("attention_backend auto: %s; using '%s'", exc, _FALLBACK_BACKEND)
+            resolved = _FALLBACK_BACKEND
     entry = ATTENTION_BACKENDS.get(resolved)
     if entry is None:
         raise ConfigError(f"attention_backend must be auto or one of "
@@ -72,6 +82,6 @@ def resolve_attention_backend(name: str, device: torch.device, cuda_graph_mode: 
     return resolved
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BackendEntry", "DEFAULT_ATTENTION_BACKENDS", "Row",
-           "StepMetadata", "attention_backend_class", "cdiv", "get_attention_backend",
-           "resolve_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLimits", "BackendEntry",
+           "DEFAULT_ATTENTION_BACKENDS", "DecodeBuffers", "Row", "StepMetadata",
+           "attention_backend_class", "cdiv", "get_attention_backend", "resolve_attention_backend"]

@@ -2,26 +2,60 @@
 
 Life of a step with backend `b`:
 
-    step = StepMetadata.build(rows, block_size, device, ...)     # once, host -> device
-    meta = b.build_metadata(step)                                # once, backend-private
+    b.reserve(limits)                                            # once, at start-up
+    step = StepMetadata.build(rows, block_size, device, ...)     # once per step, host -> device
+    meta = b.build_metadata(step)                                # once per step, backend-private
     out = b.forward(q, k, v, kv_cache, meta, scale)              # every layer
 
-Under CUDA graphs (decode steps only) the worker instead, once at start-up,
+Under CUDA graphs (decode steps only) the graph runner instead, once at start-up,
     b.init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
-    meta = b.graph_metadata(batch_size)          # views of the static buffers, per bucket
-and captures `forward` over `meta`; for every replayed step it calls
-    b.prepare_replay(step, batch_size)           # copy the step into the static buffers
-then replays the bucket's graph. Only backends with `supports_cuda_graphs` implement these.
+    meta = b.graph_metadata(buffers)            # over one bucket's static `DecodeBuffers`
+and captures `forward` over `meta`. Before every replay the runner rewrites the static buffers
+(one host -> device copy) and calls `b.prepare_replay(buffers, seq_lens_host)`, which lets a
+backend refresh state it derives from them (the Triton backend derives none). Only backends
+with `supports_cuda_graphs` implement the graph hooks.
+
+Padding contract of a captured bucket: rows past the step's real ones have slot -1 (nothing is
+stored) and seq_len 0 (nothing is read; the output row is zeros). Nobody reads those outputs.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from inflight.model.attention.metadata import StepMetadata
+
+
+@dataclass(frozen=True)
+class AttentionLimits:
+    """What a backend may size its persistent buffers for (`AttentionBackend.reserve`)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_num_seqs: int  # rows per step
+    max_seq_len: int  # tokens per row, prompt and generated
+    device: torch.device
+    multi_block: bool = True  # split-K decode (TensorRT-LLM's multi_block_mode)
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """The per-row inputs of a captured decode step: views, at fixed addresses, of the graph
+    runner's static input buffer, for one batch-size bucket of Bp rows."""
+
+    slot_mapping: torch.Tensor  # [Bp] int64; -1 on padded rows
+    seq_lens: torch.Tensor  # [Bp] int32; 0 on padded rows
+    block_tables: torch.Tensor  # [Bp, max_blocks_per_seq] int32; rows contiguous
+    max_seq_len: int  # the longest context any replay may carry (sizes split-K)
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 class AttentionBackend(abc.ABC):
@@ -39,6 +73,10 @@ class AttentionBackend(abc.ABC):
     # of `graph_metadata` (fixed addresses, fixed shapes per batch size) and never syncs.
     supports_cuda_graphs: ClassVar[bool] = False
 
+    def reserve(self, limits: AttentionLimits) -> None:
+        """Called once before the first step: allocate what every step reuses. Default: nothing.
+        A backend must still work unreserved (allocating per call), e.g. in unit tests."""
+
     @abc.abstractmethod
     def build_metadata(self, step: StepMetadata) -> Any:
         """This backend's metadata for `step`, built once per step and passed to `forward`."""
@@ -53,18 +91,15 @@ class AttentionBackend(abc.ABC):
 
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int,
                            device: torch.device) -> None:
-        """Allocates the static buffers every captured graph reads: at least slot_mapping
-        [max_batch_size] int64, seq_lens [max_batch_size] int32 and block_tables
-        [max_batch_size, max_blocks_per_seq] int32, plus whatever the backend derives."""
+        """Allocates the backend's own static state that every captured graph shares (beyond
+        the per-row inputs in `DecodeBuffers`, which the graph runner owns)."""
         raise NotImplementedError(f"attention backend '{self.name}' does not support CUDA graphs")
 
-    def graph_metadata(self, batch_size: int) -> Any:
-        """Metadata for a decode step of `batch_size` rows made of views of the static buffers
-        (the first `batch_size` rows), for capture; the same object serves every replay."""
+    def graph_metadata(self, buffers: DecodeBuffers) -> Any:
+        """Metadata for a decode step over `buffers`, for capture; the same object serves every
+        replay of that bucket, so it may hold only device tensors and shape-fixed host values."""
         raise NotImplementedError(f"attention backend '{self.name}' does not support CUDA graphs")
 
-    def prepare_replay(self, step: StepMetadata, batch_size: int) -> None:
-        """Copies decode step `step` (B <= batch_size rows) into the static buffers, device to
-        device and without a host sync. Rows B..batch_size-1 become padding: slot -1 (nothing
-        stored) and seq_len 1 over block 0, so they compute finite garbage that nobody reads."""
-        raise NotImplementedError(f"attention backend '{self.name}' does not support CUDA graphs")
+    def prepare_replay(self, buffers: DecodeBuffers, seq_lens_host: list[int]) -> None:
+        """Called after the runner has queued the copy of a step into `buffers` and before the
+        replay (`seq_lens_host`: the real rows' context lengths). Must not sync. Default: nothing."""

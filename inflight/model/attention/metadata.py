@@ -58,6 +58,10 @@ class StepMetadata:
     # row, in row order); None when every token is sampled in order (a decode-only step with
     # every row sampled), so no gather is needed.
     logits_indices: torch.Tensor | None
+    # Tokens whose id is still on the device (overlapped steps): input_ids[pending_dst[i]] is
+    # the previous step's sampled id number pending_src[i]. None when every id came from the host.
+    pending_dst: torch.Tensor | None = None  # [P] int64
+    pending_src: torch.Tensor | None = None  # [P] int64
 
     @property
     def num_rows(self) -> int:
@@ -79,12 +83,15 @@ class StepMetadata:
     @classmethod
     def build(cls, rows: Sequence[Row], block_size: int, device: torch.device | str,
               input_ids: Sequence[int] | None = None,
-              sampled_rows: Sequence[int] | None = None) -> "StepMetadata":
+              sampled_rows: Sequence[int] | None = None,
+              pending: tuple[Sequence[int], Sequence[int]] | None = None) -> "StepMetadata":
         """Builds the step from `(start_position, num_new_tokens, block_table)` rows.
 
         A row's block table must cover `start_position + num_new_tokens` tokens (extra entries
         are ignored). `input_ids` ([T], row-major) travel in the same transfer when given.
         `sampled_rows` lists the rows whose last token is sampled (default: every row).
+        `pending` = (dst, src) marks input ids that are the previous step's sampled ids
+        (see `pending_dst`); they travel in the same transfer.
         """
         host = _HostLayout(rows, block_size)
         if input_ids is not None and len(input_ids) != host.num_tokens:
@@ -101,6 +108,8 @@ class StepMetadata:
             fields.append((logits_indices, torch.int64))
         if input_ids is not None:
             fields.append((input_ids, torch.int64))
+        if pending is not None:
+            fields += [(pending[0], torch.int64), (pending[1], torch.int64)]
         on_device = pack_to_device(fields, device)
         positions, slots, last_t, seq_lens, qsl, tables = on_device[:6]
         optional = iter(on_device[6:])
@@ -114,6 +123,8 @@ class StepMetadata:
             max_seq_len=max(host.seq_lens),
             num_decode_rows=sum(1 for r in rows if r[1] == 1),
             input_ids=next(optional) if input_ids is not None else None,
+            pending_dst=next(optional) if pending is not None else None,
+            pending_src=next(optional) if pending is not None else None,
             positions=positions,
             slot_mapping=slots,
             seq_lens=seq_lens,

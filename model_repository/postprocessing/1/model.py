@@ -138,10 +138,12 @@ class TritonPythonModel:
             counts.append((len(rows), tokens.shape[0] if tokens.ndim == 3 else 1))
         texts = self.detokenizer.decode_batch(token_rows, context_rows, finals)
         responses, start = [], 0
-        for num_rows, batch in counts:
+        for num_rows, _ in counts:
             chunk = [t.encode("utf-8") for t in texts[start:start + num_rows]]
             start += num_rows
-            output = np.asarray(chunk, dtype=np.object_).reshape(batch, -1)
+            # One 1-D string per (row, beam), as NVIDIA's model sends them: its clients read
+            # `text_output[0].decode()`.
+            output = np.asarray(chunk, dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", output)]))
         return responses
 

@@ -1,7 +1,9 @@
 """Triton adapter of the tokenizer model (`preprocessing`).
 
 Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE
-and ADD_SPECIAL_TOKENS).
+and ADD_SPECIAL_TOKENS). As NVIDIA's, it answers DECODER_INPUT_ID `[pad_id]` when no
+DECODER_QUERY is given (the engine model ignores it for a decoder-only model); multimodal and
+decoder inputs are refused, since the served model is a text-only decoder.
 Parameters: tokenizer_dir (required), add_special_tokens (default true), trust_remote_code
 (default false). A bad request gets its own error; the rest of the dynamic batch carries on.
 """
@@ -15,6 +17,14 @@ from ensemble import lifeline, params
 from ensemble.errors import InputError
 from ensemble.io_contract import PREPROCESSING
 from preprocessing.tokenizer import TextTokenizer, decode_query
+
+# Inputs of models this repository does not serve: refused by name when they hold anything.
+_UNSUPPORTED = {
+    "DECODER_QUERY": "decoder_text_input is for encoder-decoder models; this model is decoder-only",
+    "IMAGE_BYTES": "image inputs are not supported: this model is text-only",
+    "IMAGE_URL": "image inputs are not supported: this model is text-only",
+    "VIDEO_BYTES": "video inputs are not supported: this model is text-only",
+}
 
 
 def _strings(tensor) -> list[list[str]]:
@@ -52,6 +62,12 @@ class TritonPythonModel:
         return pb_utils.get_input_tensor_by_name(request, PREPROCESSING.input(name).name)
 
     def _process(self, request) -> dict:
+        for name, reason in _UNSUPPORTED.items():
+            tensor = self._input(request, name)
+            values = tensor.as_numpy() if tensor is not None else np.zeros(0)
+            # Empty strings are what clients send for "none" (NVIDIA's scripts do).
+            if values.size and (values.dtype != np.object_ or any(len(v) for v in values.reshape(-1))):
+                raise InputError(reason)
         queries = self._input(request, "QUERY").as_numpy().reshape(-1)
         batch = len(queries)
         max_tokens = self._input(request, "REQUEST_OUTPUT_LEN").as_numpy().reshape(batch, -1)
@@ -83,9 +99,11 @@ class TritonPythonModel:
         for b, bias in enumerate(biases):
             embedding_bias[b, :len(bias)] = bias
 
-        return {
+        outputs = {
             "INPUT_ID": input_id,
             "REQUEST_INPUT_LEN": np.asarray([[len(row)] for row in ids], dtype=np.int32),
+            "DECODER_INPUT_ID": pad_id.copy(),
+            "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), dtype=np.int32),
             "BAD_WORDS_IDS": self._words(request, "BAD_WORDS_DICT", batch),
             "STOP_WORDS_IDS": self._words(request, "STOP_WORDS_DICT", batch),
             "EMBEDDING_BIAS": embedding_bias,
@@ -93,6 +111,11 @@ class TritonPythonModel:
             "OUT_END_ID": end_id,
             "OUT_PAD_ID": pad_id,
         }
+        extra_id = self._input(request, "PROMPT_TABLE_EXTRA_ID")
+        if extra_id is not None:  # NVIDIA's: the id repeated for every prompt token
+            extra = extra_id.as_numpy().reshape(batch, 1).astype(np.uint64)
+            outputs["OUT_PROMPT_TABLE_EXTRA_IDS"] = np.repeat(extra, width, axis=1)
+        return outputs
 
     def _scalar_or(self, request, name, default, batch) -> np.ndarray:
         tensor = self._input(request, name)

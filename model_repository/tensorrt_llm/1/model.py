@@ -26,9 +26,9 @@ from ensemble.errors import InputError
 from ensemble.io_contract import TENSORRT_LLM
 from inflight.executor.types import QueueFullError, RequestError
 from inflight.serving import convert, drain, faults, metrics
-from inflight.serving.backend import create_executor
+from inflight.serving.backend import create_executor, engine_features
 from inflight.serving.engine_client import EngineProcess, EngineStartError, InProcessEngine
-from inflight.serving.params import executor_config
+from inflight.serving.params import executor_config, ignored_parameters
 from inflight.serving.request_table import RequestTable
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -71,6 +71,8 @@ class TritonPythonModel:
                                             params.get_int(values, "max_output_len", None))
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
+        if ignored_parameters(values):
+            pb_utils.Logger.log_warn(f"parameters with no effect on this engine: {ignored_parameters(values)}")
         if "gpt_model_path" not in values:
             raise pb_utils.TritonModelException("parameter gpt_model_path (engine_dir) is not set")
         try:
@@ -96,6 +98,7 @@ class TritonPythonModel:
     def _start_engine(self, values, queue_size):
         config = executor_config(values, queue_size)  # a bad parameter fails here, in this process
         backend = values.get("executor_backend", "builtin")
+        self.features = engine_features(backend, config)
         fault_spec = os.environ.get(faults.ENV_VAR)
         if backend == "builtin" and params.get_bool(values, "engine_process", True):
             try:
@@ -129,7 +132,7 @@ class TritonPythonModel:
                     Sink.send_error(sender, refusal, "UNAVAILABLE")
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
-                                                     self.limits)
+                                                     self.limits, self.features)
                 self.table.add(sender, request.request_id(), rows, options)
             except QueueFullError as exc:
                 Sink.send_error(sender, str(exc), "UNAVAILABLE")

@@ -1,0 +1,150 @@
+"""What the engine keeps about one live request, and how its tokens become responses.
+
+`RequestState` wraps the scheduler's `Sequence` with the request, its RNG and the outputs sent
+so far. Its token list may end with one placeholder (`PLACEHOLDER_BASE - i` < 0: "sampled row
+i of the step in flight") between the launch of an overlapped step and the moment the host
+reads that step's tokens; `accept_token` replaces it, `drop_placeholder` removes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from inflight.core.sequence import Sequence
+from inflight.executor.types import FinishReason, Request, Response, Result
+from inflight.sampling.sampler import SamplingRow
+
+PLACEHOLDER_BASE = -1  # placeholder for sampled row i: PLACEHOLDER_BASE - i (the worker's contract)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the engine keeps about one live request besides its `Sequence`."""
+
+    request_id: int
+    request: Request
+    seq: Sequence
+    generator: torch.Generator | None
+    embedding_bias: torch.Tensor | None
+    log_probs: list[float] = field(default_factory=list)
+    num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+
+    @property
+    def sampling(self):
+        return self.request.sampling_config
+
+    @cached_property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request's next token reads its previous tokens on the host:
+        Python logits processors, repetition/presence/frequency penalties (their index lists
+        are built from the token ids) and multi-token bad words (their prefix is matched
+        against the tail). Such requests make steps synchronous. Stop words, stopping
+        criteria, end ids, min_tokens and max_tokens do not: they are checked (or counted)
+        when the tokens arrive, exactly, one step later."""
+        sc, request = self.sampling, self.request
+        return (request.logits_processor is not None
+                or (sc.repetition_penalty or 1.0) != 1.0
+                or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
+                or any(len(word) > 1 for word in request.bad_words or []))
+
+    def sampling_row(self) -> SamplingRow:
+        """The sampler's view of this request, built once: its `token_ids` is the sequence's
+        own list, so it follows every token appended (the engine asks for it every step)."""
+        return self._sampling_row
+
+    @cached_property
+    def _sampling_row(self) -> SamplingRow:
+        sc, seq, end_id = self.sampling, self.seq, self.request.end_id
+        greedy = sc.is_greedy
+        return SamplingRow(
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            temperature=0.0 if greedy else (1.0 if sc.temperature is None else sc.temperature),
+            top_k=0 if greedy else (sc.top_k or 0),
+            top_p=1.0 if greedy or sc.top_p is None else sc.top_p,
+            repetition_penalty=sc.repetition_penalty or 1.0,
+            presence_penalty=sc.presence_penalty or 0.0,
+            frequency_penalty=sc.frequency_penalty or 0.0,
+            min_tokens=sc.min_tokens or 0,
+            end_id=end_id if end_id is not None and end_id >= 0 else None,
+            bad_words=self.request.bad_words or [],
+            embedding_bias=self.embedding_bias,
+            generator=self.generator,
+            return_log_probs=self.request.output_config.return_log_probs,
+        )
+
+    # ----- tokens in -----------------------------------------------------------------------
+
+    def add_placeholder(self, sampled_row: int) -> None:
+        self.seq.append_token(PLACEHOLDER_BASE - sampled_row)
+
+    def drop_placeholder(self) -> None:
+        if self.seq.token_ids and self.seq.token_ids[-1] < 0:
+            self.seq.token_ids.pop()
+
+    def accept_token(self, token: int, log_prob: float | None) -> None:
+        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
+        is never part of the output), and the stop conditions are checked. A failing user
+        `stopping_criteria` raises."""
+        tokens = self.seq.token_ids
+        if tokens[-1] < 0:
+            tokens.pop()
+        if token == self.request.end_id:  # None never equals a token
+            self.finish_reason = FinishReason.END_ID
+            return
+        tokens.append(token)
+        if log_prob is not None:
+            self.log_probs.append(log_prob)
+        self.finish_reason = self._check_stop()
+
+    @cached_property
+    def _stop_rules(self) -> tuple:
+        """(min_tokens, stop_words, stopping_criteria): fixed for the request's life."""
+        request = self.request
+        return self.sampling.min_tokens or 0, request.stop_words or [], request.stopping_criteria
+
+    def _check_stop(self) -> FinishReason:
+        seq = self.seq
+        num_generated = seq.num_generated_tokens
+        min_tokens, stop_words, criteria = self._stop_rules
+        if num_generated >= min_tokens:
+            tokens = seq.token_ids
+            for word in stop_words:
+                if len(word) <= len(tokens) and tokens[-len(word):] == word:
+                    return FinishReason.STOP_WORDS
+            if criteria is not None and criteria(self.request_id, tokens):
+                return FinishReason.STOP_WORDS
+        if num_generated >= seq.max_new_tokens:
+            return FinishReason.LENGTH
+        return FinishReason.NOT_FINISHED
+
+    # ----- responses out -------------------------------------------------------------------
+
+    def response(self, is_final: bool) -> Response:
+        request, seq = self.request, self.seq
+        generated = seq.generated_token_ids
+        if request.streaming:
+            new_tokens = generated[self.num_streamed_tokens:]
+            new_log_probs = self.log_probs[self.num_streamed_tokens:]
+            self.num_streamed_tokens = len(generated)
+            output = new_tokens
+        elif request.output_config.exclude_input_from_output:
+            output, new_log_probs = generated, self.log_probs
+        else:
+            output, new_log_probs = seq.token_ids, self.log_probs
+        want_log_probs = request.output_config.return_log_probs
+        result = Result(
+            is_final=is_final,
+            output_token_ids=[list(output)],
+            cum_log_probs=[float(sum(self.log_probs))] if want_log_probs else None,
+            log_probs=[list(new_log_probs)] if want_log_probs else None,
+            finish_reasons=[self.finish_reason],
+            is_sequence_final=is_final,
+            num_input_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(generated),
+        )
+        return Response(request_id=self.request_id, result=result, client_id=request.client_id)

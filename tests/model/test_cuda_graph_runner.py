@@ -1,0 +1,122 @@
+"""The CUDA-graph runner's static inputs: staging layout, padding rows, tokens still on the
+device, the LM head into the shared logits buffer. Without CUDA the runner runs the captured
+body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
+graph replays; with CUDA (tools/gpu_check.sh) the graphs are captured and replayed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+
+pytest.importorskip("triton")
+
+from inflight.cuda_graph import BucketLayout, CudaGraphRunner  # noqa: E402
+from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
+from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
+from tests.model.tolerances import logits_tolerance  # noqa: E402
+from tests.model.checkpoints import save_tiny_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+BLOCK = 8
+
+
+def test_bucket_layout_is_8_byte_aligned_and_holds_every_field():
+    for batch_size, width in ((1, 1), (3, 5), (16, 4096)):
+        layout = BucketLayout(batch_size, width)
+        assert layout.i32_offset % 8 == 0 and layout.nbytes % 8 == 0
+        assert layout.nbytes >= 40 * batch_size + 4 * batch_size * (1 + width)
+        i64, seq_lens, tables = layout.split(torch.zeros(layout.nbytes, dtype=torch.uint8))
+        assert i64.shape == (5, batch_size) and seq_lens.shape == (batch_size,)
+        assert tables.shape == (batch_size, width) and tables.stride() == (width, 1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3")
+    save_tiny_checkpoint("llama3", path)
+    model, config = load_model(path, torch.float32, DEVICE, "triton")
+    model.attention_backend.reserve(AttentionLimits(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, max_num_seqs=4,
+        max_seq_len=config.max_position_embeddings, device=DEVICE))
+    return model, config
+
+
+def test_staged_decode_step_matches_the_eager_step(model):
+    model, config = model
+    caches = allocate_kv_caches(config, 24, BLOCK, torch.float32, DEVICE)
+    tables = [[3, 17, 5], [9, 0, 22]]
+    prompts = [list(range(10, 27)), list(range(40, 50))]
+    for prompt, table in zip(prompts, tables):
+        meta = StepMetadata.build([(0, len(prompt), table)], BLOCK, DEVICE, input_ids=prompt)
+        model(meta.input_ids, meta.positions, caches, model.attention_backend.build_metadata(meta))
+    saved = [c.clone() for c in caches]
+    next_tokens = [123, 321]
+    eager = StepMetadata.build([(len(p), 1, t) for p, t in zip(prompts, tables)], BLOCK, DEVICE,
+                               input_ids=next_tokens)
+    hidden = model(eager.input_ids, eager.positions, caches, model.attention_backend.build_metadata(eager))
+    expected = model.compute_logits(hidden)
+
+    sampled = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    sampled[3] = next_tokens[1]  # row 1's token is still "on the device": sampled row 3
+    runner = CudaGraphRunner(model, (1, 4), config.max_position_embeddings, BLOCK, sampled, DEVICE)
+    if ON_CUDA:
+        runner.capture(caches)  # padded warm-up and capture store nothing in the cache
+    else:
+        runner.bind(caches)
+    for cache, copy in zip(caches, saved):
+        cache.copy_(copy)
+    assert runner.bucket_for(2) == 4 and runner.bucket_for(5) is None
+    rows = [(next_tokens[0], len(prompts[0]), tables[0]), (0, len(prompts[1]), tables[1])]
+    for _ in range(2):  # the second replay reads the same inputs from a fresh staging buffer
+        step = runner.stage(rows, pending=([1], [3]))
+        assert (step.batch_size, step.num_rows, step.num_pending) == (4, 2, 1)
+        logits = runner.replay(step)
+        torch.testing.assert_close(logits, expected,
+                                   **logits_tolerance(expected, config.num_hidden_layers, config.hidden_size))
+    bucket = runner.buckets[4]
+    assert bucket.slot_mapping[2:].tolist() == [-1, -1] and bucket.buffers.seq_lens[2:].tolist() == [0, 0]
+    assert bucket.input_ids[:2].tolist() == next_tokens
+
+
+@pytest.mark.skipif(ON_CUDA, reason="a CPU engine (interpreted kernels); tools/gpu_parity.py runs it on CUDA")
+def test_engine_replays_decode_steps_through_the_runner(tmp_path_factory):
+    """The worker's graph path end to end, with overlap: decode steps are staged and replayed
+    by the runner (eager replay here), tokens still on the device come from the last sample;
+    the outputs equal the synchronous torch engine's."""
+    from tests.model.engine_utils import gen_request, make_engine, run
+
+    path = tmp_path_factory.mktemp("llama3-engine")
+    save_tiny_checkpoint("llama3", path)
+    prompts = [[5, 9, 41, 7, 300], list(range(30, 52)), [400, 401, 3]]
+
+    def requests():
+        return [gen_request(p, 6, end_id=-1, streaming=True) for p in prompts]
+
+    expected = run(make_engine(path), requests())
+    engine = make_engine(path, enable_overlap_scheduler=True)
+    worker = engine.worker
+    model, config = load_model(path, torch.float32, "cpu", "triton")
+    model.attention_backend.reserve(AttentionLimits(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        max_num_seqs=engine.config.max_batch_size, max_seq_len=worker.max_seq_len,
+        device=torch.device("cpu")))
+    worker.model, worker.backend = model, model.attention_backend
+    runner = CudaGraphRunner(model, (1, 2, 4), worker.max_seq_len, worker.block_size,
+                             worker.sampled_ids, torch.device("cpu"))
+    runner.bind(worker.kv_caches)
+    worker.graph_runner = runner
+    replays = []
+    real_replay = runner.replay
+    runner.replay = lambda step: replays.append(step) or real_replay(step)
+    got = run(engine, requests())
+    assert [[r.result.output_token_ids for r in rs] for rs in got] == \
+        [[r.result.output_token_ids for r in rs] for rs in expected]
+    assert len(replays) >= 4 and all(s.batch_size == 4 and s.num_rows == 3 for s in replays)
+    assert any(s.num_pending == 3 for s in replays), "overlapped steps read their tokens on the device"

@@ -1,0 +1,36 @@
+"""The templates' tensor sections are the contract's, rendered; a stale template fails here."""
+
+from __future__ import annotations
+
+import sys
+
+from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BLS
+from tests.conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import render_templates  # noqa: E402
+
+
+def test_every_template_is_rendered_from_the_contract():
+    assert render_templates.main(["--check"]) == 0
+
+
+def test_the_ensemble_routes_every_input_and_output():
+    steps = render_templates.ensemble_steps()
+    for spec in ENSEMBLE.inputs:
+        assert f'value: "{spec.name}"' in steps, spec.name
+    for spec in ENSEMBLE.outputs:
+        assert f'value: "{spec.name}"' in steps, spec.name
+
+
+def test_bls_and_ensemble_share_the_text_interface():
+    assert [t.name for t in ENSEMBLE.outputs] == [t.name for t in TENSORRT_LLM_BLS.outputs]
+    assert {t.name for t in ENSEMBLE.inputs} < {t.name for t in TENSORRT_LLM_BLS.inputs}
+    assert set(MODELS) == {"preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"}
+
+
+def test_nvidia_required_inputs_are_the_only_required_ones():
+    assert TENSORRT_LLM.required_inputs == ("input_lengths", "request_output_len")
+    assert ENSEMBLE.required_inputs == ("text_input", "max_tokens")
+    assert MODELS["preprocessing"].required_inputs == ("QUERY", "REQUEST_OUTPUT_LEN")

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU fast path checked and measured in one command on the device machine (repository root):
+#
+#   bash tools/gpu_check.sh             # ~9 min on an H100: kernel tests compiled, the model tier
+#                                       # on CUDA, greedy parity of every engine path + sync audit,
+#                                       # then tools/bench_gpu.py --quick
+#   bash tools/gpu_check.sh bench-full  # tools/bench_gpu.py --full alone (<= 9 min)
+#   bash tools/gpu_check.sh tests       # the first three stages alone (~5 min)
+#
+# Every stage has its own time limit and runs whatever the others did. Logs and results go to
+# $OUT (the device tool brings them back; default /tmp/gpu_check): gpu_check.log, kernels.log,
+# model.log, parity.log, bench.json, bench.png, bench.md. The summary at the end (the last ~100
+# lines) holds every line that matters: stage status, parity and sync-audit lines, the bench tables.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1 PYTHONDONTWRITEBYTECODE=1
+what=${1:-all}
+declare -a SUMMARY=()
+
+stage() {  # NAME LIMIT_S LOG COMMAND...
+  local name=$1 limit=$2 log=$3; shift 3
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s) ===" | tee -a "$OUT/gpu_check.log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$log" >> "$OUT/gpu_check.log"
+  local rc=${PIPESTATUS[0]}
+  local status=PASS
+  [[ $rc -eq 124 || $rc -eq 137 ]] && status="TIMEOUT after ${limit}s"
+  [[ $rc -ne 0 && $status == PASS ]] && status="FAIL (exit $rc)"
+  SUMMARY+=("$(printf '%-32s %-22s %4ds' "$name" "$status" $((SECONDS - start)))")
+  tail -n 3 "$OUT/$log"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c 'import sys, torch, triton, transformers, numpy; print("python", sys.version.split()[0], "| torch", torch.__version__, "| triton", triton.__version__, "| transformers", transformers.__version__, "| numpy", numpy.__version__, "| cuda", torch.cuda.is_available())'
+  git log --oneline -1 2>/dev/null
+} 2>&1 | tee "$OUT/gpu_check.log"
+
+if [[ $what == all || $what == tests ]]; then
+  stage "kernel tests (compiled)" 100 kernels.log \
+    $PY -m pytest -q -p no:cacheprovider tests/kernels
+  stage "model tier on CUDA" 75 model.log \
+    $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
+  stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
+fi
+if [[ $what == all ]]; then
+  stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
+fi
+if [[ $what == bench-full ]]; then
+  stage "bench --full" 570 bench.log $PY tools/bench_gpu.py --full --out "$OUT"
+fi
+
+{
+  echo
+  echo "==================== SUMMARY ===================="
+  head -n 3 "$OUT/gpu_check.log"
+  for line in "${SUMMARY[@]}"; do echo "$line"; done
+  for log in kernels.log model.log; do
+    [[ -f $OUT/$log ]] && echo "$log: $(grep -E '(passed|failed|error)' "$OUT/$log" | tail -n 1)"
+  done
+  if [[ -f $OUT/parity.log ]]; then
+    echo "--- parity.log ---"
+    grep -E '^(PARITY|BF16|SYNC|RESULT|    flagged)' "$OUT/parity.log"
+  fi
+  if [[ -f $OUT/bench.md ]]; then
+    echo "--- bench.md ---"
+    cat "$OUT/bench.md"
+  elif [[ -f $OUT/bench.log ]]; then
+    echo "--- bench.log (no bench.md) ---"
+    tail -n 30 "$OUT/bench.log"
+  fi
+} 2>&1 | tee -a "$OUT/gpu_check.log"

@@ -13,6 +13,7 @@ Both offer the same calls to `inflight.serving.request_table`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from inflight.serving import wire
+from inflight.serving import metrics, wire
 from inflight.serving.engine_process import COMMANDS, EVENTS, endpoint
 
 STARTUP_TIMEOUT_S = 1800  # loading and warming a large model on a GPU takes minutes
@@ -205,6 +206,9 @@ class InProcessEngine:
             latest = self.executor.get_current_stats()  # idle: the snapshot shows nothing scheduled
         if latest is not None:
             self.last_stats_s = now
+            if not (latest.cpu_mem_usage or latest.gpu_mem_usage):  # ours leaves them to us
+                cpu, gpu = metrics.process_memory_bytes()
+                latest = dataclasses.replace(latest, cpu_mem_usage=cpu, gpu_mem_usage=gpu)
         if items or latest is not None:
             events.append(("step", items, latest))
         if self.dead_message is None and not self.executor.can_enqueue_requests():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import zmq
 
-from inflight.serving import wire
+from inflight.serving import metrics, wire
 
 logger = logging.getLogger("inflight.engine_process")
 
@@ -52,20 +52,6 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
-
-
-def memory_bytes() -> tuple[int, int]:
-    """(resident set size of this process, CUDA memory allocated by torch) in bytes."""
-    try:
-        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-        rss = resident_pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        rss = 0
-    gpu = 0
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        gpu = int(torch.cuda.memory_allocated())
-    return rss, gpu
 
 
 def build_engine(spec: dict):
@@ -191,7 +177,7 @@ class EngineLoop:
         self.last_stats_s = now
         self.stats_dirty = False
         stats = wire.stats_to_wire(self.engine.last_stats)
-        stats["cpu_mem_usage"], stats["gpu_mem_usage"] = memory_bytes()
+        stats["cpu_mem_usage"], stats["gpu_mem_usage"] = metrics.process_memory_bytes()
         return stats
 
     def _send(self, message: list) -> None:

@@ -7,6 +7,9 @@ Triton-free: `gauge_values` returns {(family, label value): number}; the model f
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+from pathlib import Path
 
 from inflight.executor.stats import IterationStats
 
@@ -59,6 +62,23 @@ def gauge_values(stats: IterationStats) -> dict[tuple[str, str], float]:
         ("nv_trt_llm_general_metrics", "iteration_counter"): stats.iter,
         ("nv_trt_llm_general_metrics", "timestamp"): _epoch_seconds(stats.timestamp),
     }
+
+
+def process_memory_bytes() -> tuple[int, int]:
+    """(resident set size of this process, device memory torch holds for it) in bytes: what
+    `nv_trt_llm_runtime_memory_metrics` reports as cpu and gpu. The device figure is torch's
+    reserved pool (weights, KV cache, CUDA graph pools, cached blocks), what the process takes
+    from the GPU, not only the tensors alive at this instant."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        rss = resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = 0
+    gpu = 0
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        gpu = int(torch.cuda.memory_reserved())
+    return rss, gpu
 
 
 class TritonMetrics:

@@ -48,6 +48,10 @@ def request_to_wire(request: Request) -> dict:
     stopping_criteria) are Python callables and never travel."""
     if request.logits_processor is not None or request.stopping_criteria is not None:
         raise ValueError("logits_processor and stopping_criteria cannot cross a process boundary")
+    # The builtin engine has neither yet; the serving layer refuses them before this point
+    # (inflight.executor.features). Fail loudly rather than drop them if that ever changes.
+    if request.lora_config is not None or request.guided_decoding_params is not None:
+        raise ValueError("lora_config and guided_decoding_params do not cross the process boundary yet")
     bias = request.embedding_bias
     return {
         "input_token_ids": list(request.input_token_ids),

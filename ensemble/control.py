@@ -9,7 +9,9 @@ client's stop by their request id:
 - **ack** (postprocessing → tensorrt_llm): how many chunks of each stream the detokenizer has
   decoded, and since when it has been idle; how the engine model learns that Triton dropped a
   cancelled stream's chunks (see inflight/serving/delivery.py).
-  Id: `inflight-ack:<drained_before_us or ->:<key>.<count>,...:<mac>`. Only its MAC keeps a
+  Id: `inflight-ack:<d|k>:<drained_before_us or ->:<key>.<count>,...:<mac>`; `d`: the
+  detokenizer may never see a cancelled chunk (dynamic batching), so missing ones mean dropped;
+  `k`: it sees every chunk, and relays cancellations itself. Only its MAC keeps a
   client from forging one; with no secret set, acks are refused.
 - **drain** (launcher → tensorrt_llm): the server is shutting down; refuse new requests, let
   the ones in flight finish for `grace_ms`, then end the rest.
@@ -94,24 +96,25 @@ class ControlAuth:
 
     # ----- acknowledgements ----------------------------------------------------------------
 
-    def ack_id(self, counts: dict[int, int], drained_before_s: float | None) -> str:
+    def ack_id(self, counts: dict[int, int], drained_before_s: float | None, may_drop: bool) -> str:
         if self.secret is None:
             raise ValueError(f"an acknowledgement needs {SECRET_ENV_VAR}")
         drained = "-" if drained_before_s is None else str(round(drained_before_s * 1e6))
-        body = f"{drained}:" + ",".join(f"{k}.{n}" for k, n in counts.items())
+        body = f"{'d' if may_drop else 'k'}:{drained}:" + ",".join(f"{k}.{n}" for k, n in counts.items())
         return f"{ACK_PREFIX}{body}:{self._mac(f'ack:{body}')}"
 
-    def parse_ack_id(self, request_id: str) -> tuple[dict[int, int], float | None] | None:
-        """(key → count, drained_before_s) of a genuine acknowledgement; None otherwise."""
+    def parse_ack_id(self, request_id: str) -> tuple[dict[int, int], float | None, bool] | None:
+        """(key → count, drained_before_s, may_drop) of a genuine acknowledgement; None otherwise."""
         if not request_id.startswith(ACK_PREFIX):
             return None
         body, _, mac = request_id[len(ACK_PREFIX):].rpartition(":")
         if not self._verify(f"ack:{body}", mac):
             return None
-        drained, _, pairs = body.partition(":")
+        mode, _, rest = body.partition(":")
+        drained, _, pairs = rest.partition(":")
         try:
             counts = {int(k): int(n) for k, _, n in (p.partition(".") for p in pairs.split(",") if p)}
-            return counts, None if drained == "-" else int(drained) / 1e6
+            return counts, None if drained == "-" else int(drained) / 1e6, mode == "d"
         except ValueError:
             return None
 

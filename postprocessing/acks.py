@@ -3,10 +3,12 @@
 `postprocessing` counts, per request key, the chunks it has decoded, and reports the counts of
 the keys it touched since its last report, plus `drained_before`: a time (the machine's
 monotonic clock) before which every chunk handed to it has been decoded or dropped. That holds
-for `now - quiet_s` whenever no execute is running: a chunk queued earlier would have been
-dispatched within `quiet_s` (Triton's batcher starts a batch at once when the instance is
-free), and so has been decoded already. `quiet_s` is far above any dispatch delay, because a
-wrong `drained_before` would cancel a live stream.
+for `now - quiet_s` when no execute ran at all during the last `quiet_s`: a chunk queued
+earlier would have been dispatched within that window (Triton starts the next request at once
+when the instance is free), and so has been decoded already. Not running an execute *now* is
+not enough: under load the instance is free for an instant between two executes while its
+queue holds seconds of chunks. `quiet_s` is far above any dispatch delay, because a wrong
+`drained_before` would cancel a live stream.
 Thread-safe: `execute` and the reporting thread share it.
 """
 
@@ -30,6 +32,7 @@ class AckLedger:
         self._finished: set[int] = set()
         self._touched: set[int] = set()
         self._num_running = 0
+        self._last_end_s = float("-inf")  # when the last execute ended
         self._last_report_s = 0.0
 
     def begin(self) -> None:
@@ -42,6 +45,7 @@ class AckLedger:
         now_s = time.monotonic() if now_s is None else now_s
         with self._lock:
             self._num_running -= 1
+            self._last_end_s = max(self._last_end_s, now_s)
             for key, is_final in chunks:
                 self._counts[key] = self._counts.get(key, 0) + 1
                 self._last_seen[key] = now_s
@@ -66,7 +70,8 @@ class AckLedger:
             for key in self._finished & counts.keys():
                 self._drop(key)
             self._last_report_s = now_s
-            return counts, (now_s - self.quiet_s if is_idle else None)
+            is_quiet = is_idle and now_s - self._last_end_s >= self.quiet_s
+            return counts, (now_s - self.quiet_s if is_quiet else None)
 
     def _drop(self, key: int) -> None:
         self._counts.pop(key, None)

@@ -38,7 +38,10 @@ git log --oneline -1 2>/dev/null
 
 step "server environment in $ENV"
 if [[ ! -x $ENV/bin/python3 ]]; then
-  $IMG_PY -m venv --without-pip "$ENV" || exit 3
+  if ! $IMG_PY -m venv --without-pip "$ENV"; then  # what venv writes, by hand
+    mkdir -p "$ENV/bin" && ln -sf "$($IMG_PY -c 'import sys; print(sys._base_executable)')" "$ENV/bin/python3"
+    $IMG_PY -c 'import sys, os; print(f"home = {os.path.dirname(sys._base_executable)}\ninclude-system-site-packages = false\nversion = {sys.version.split()[0]}")' > "$ENV/pyvenv.cfg"
+  fi
   SITE=$("$ENV/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   tar -xJf .device/serving/serving.tar.xz -C "$WORK/pack" || exit 3
   cp -r "$WORK/pack/site/." "$SITE/"
@@ -64,7 +67,7 @@ step "bench_serving: Triton (streaming, non-streaming) vs in process, c = 1 16 6
 timeout --kill-after=15 $((BUDGET_S + 180)) "$ENV/bin/python3" tools/bench_serving.py \
   --model "$MODEL" --device cuda --dtype bfloat16 --concurrency 1 16 64 256 \
   --prompt-tokens 128 --output-tokens 128 --rounds 3 --perf-analyzer "$PA" --targets gpu \
-  --budget-s "$BUDGET_S" --server-log "$OUT/server.log"
+  --budget-s "$BUDGET_S" --server-log "$OUT/server.log" --set max_seq_len:1024
 rc=$?
 step "done (exit $rc)"
 exit $rc

@@ -89,9 +89,10 @@ class DeliveryTracker:
         return any(st.is_tracked and st.unacked and st.unacked[0].sent_s < now_s - lag_s
                    for st in self._streams.values())
 
-    def acked(self, counts: dict[int, int], drained_before: float | None = None) -> list[int]:
+    def acked(self, counts: dict[int, int], drained_before: float | None = None,
+              may_drop: bool = True) -> list[int]:
         """Take one acknowledgement (key → chunks decoded so far); return the keys of streams
-        whose chunks were dropped."""
+        whose chunks were dropped (none when the detokenizer cannot drop any: `may_drop` false)."""
         for key, count in counts.items():
             stream = self._streams.get(key)
             if stream is None:
@@ -102,6 +103,8 @@ class DeliveryTracker:
                 self._high_water = max(self._high_water, stream.unacked.popleft().seq)
         if drained_before is not None:
             self._drained_before = max(self._drained_before, drained_before)
+        if not may_drop:
+            return []
         dropped = []
         for key, stream in self._streams.items():
             if not stream.unacked:

@@ -146,10 +146,12 @@ class RequestTable:
         for pending in targets:
             self.cancel(pending)
 
-    def ack(self, counts: dict[int, int], drained_before: float | None) -> None:
-        """The detokenizer's acknowledgement (see inflight.serving.delivery)."""
+    def ack(self, counts: dict[int, int], drained_before: float | None, may_drop: bool = True) -> None:
+        """The detokenizer's acknowledgement (see inflight.serving.delivery). `may_drop`: false
+        when the detokenizer sees every chunk (no dynamic batching): then nothing is inferred
+        from missing ones, the acknowledgement only says how far behind it is."""
         with self.lock:
-            dropped = [self.by_key[k] for k in self.delivery.acked(counts, drained_before)
+            dropped = [self.by_key[k] for k in self.delivery.acked(counts, drained_before, may_drop)
                        if k in self.by_key]
             for pending in dropped:
                 pending.is_client_cancelled = True

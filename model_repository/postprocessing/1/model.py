@@ -11,12 +11,13 @@ Dynamic batching: one execute decodes the chunks of every request queued, with o
 order (`preserve_ordering` keeps that on Triton versions that run ensemble callbacks in a pool).
 
 Cancellation: Triton does not tell the engine, the ensemble's running step, that a client left;
-it cancels only the steps created afterwards, and the dynamic batcher drops those before
-`execute`. So this model acknowledges, every `ACK_PERIOD_S`, the chunks it decoded
-(`postprocessing.acks`), and `tensorrt_llm` stops the streams whose chunks were dropped
-(`inflight.serving.delivery`). Without dynamic batching a cancelled chunk does reach `execute`;
-then the model also relays its cancellation at once. Both control requests are signed
-(`ensemble.control`), so no client can send one.
+it cancels only the steps created afterwards. Without dynamic batching (the shipped config) a
+cancelled chunk reaches `execute`, and this model relays its cancellation at once. With dynamic
+batching the batcher drops it before `execute`; then `tensorrt_llm` infers the drop from
+acknowledgements. Either way this model acknowledges, every `ACK_PERIOD_S`, the chunks it
+decoded (`postprocessing.acks`): `tensorrt_llm` learns from them how far behind the detokenizer
+is (and, only with dynamic batching, which streams were dropped; `inflight.serving.delivery`).
+Both control requests are signed (`ensemble.control`), so no client can send one.
 """
 
 import collections
@@ -85,7 +86,8 @@ class TritonPythonModel:
             if report is None:
                 continue
             try:
-                for _ in _stop_request(self.auth.ack_id(*report)).exec(decoupled=True):
+                ack = self.auth.ack_id(*report, may_drop=self.is_batched)
+                for _ in _stop_request(ack).exec(decoupled=True):
                     pass
             except Exception as exc:  # the engine model is gone (unloading); keep decoding
                 pb_utils.Logger.log_warn(f"acknowledging chunks failed: {exc}")

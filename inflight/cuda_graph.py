@@ -1,18 +1,26 @@
 """CUDA graphs for decode steps: captured at start-up per batch-size bucket, replayed per step.
 
 A decode step (every row one new token, every row sampled) of B rows runs in the graph of the
-smallest captured bucket Bp >= B. Each graph was captured over views of one static input
-buffer (`arena`), laid out per bucket as
+smallest captured bucket Bp >= B. Every graph was captured over views of one static input
+buffer (`arena`), laid out once for the largest bucket Bmax (rows padded to R = Bmax rounded
+up to 16) and shared by all buckets (bucket Bp uses the first Bp entries of each field):
 
-    int64 [5, Bp]   input_ids, positions, slot_mapping, pending_dst, pending_src
-    int32 [Bp]      seq_lens
-    int32 [Bp, W]   block_tables, W = cdiv(max_seq_len, block_size)
+    int64 [5, R]    input_ids, positions, slot_mapping, pending_dst, pending_src
+    int32 [R]       seq_lens
+    int32 [R, W]    block_tables, W = cdiv(max_seq_len, block_size)
 
-so a step is: fill a pinned host buffer with that layout, ONE host -> device copy of it,
-patch the ids still on the device (overlapped steps: `pending_*`, two small kernels), replay.
-Rows B..Bp-1 are padding: slot -1 (nothing stored), seq_len 0 (nothing read), token 0.
-The graph ends with the LM head writing fp32 logits [Bp, vocab] into one static buffer that
-every bucket shares (one graph replays at a time); the sampler reads rows [:B] after it.
+so a step is: fill a pinned host copy of that layout, ONE host -> device copy of its first
+bytes (up to the end of row Bp - 1 of the block tables), patch the ids still on the device
+(overlapped steps: `pending_*`, two small kernels), replay. Rows B..Bp-1 are padding: slot -1
+(nothing stored), seq_len 0 (nothing read), token 0. The graph ends with the LM head writing
+logits [Bp, vocab] into one static buffer that every bucket shares (one graph replays at a
+time); the sampler reads rows [:B] after it.
+
+Host cost (the engine's hottest per-row loop, `stage_decode`): two pinned host copies of the
+layout are reused in turn (an event guards each against being rewritten before its copy has
+run), and each remembers which block table it holds in each row and how many entries of it,
+so a row's table is written only when the row changes sequence or gains a block (once every
+`block_size` steps); tokens, positions, slots and lengths are written with numpy.
 
 Graphs are captured largest first into one shared memory pool: a smaller bucket's
 activations reuse the larger one's blocks, so the pool costs about one largest step.
@@ -36,33 +44,44 @@ from inflight.model.attention import DecodeBuffers, cdiv
 logger = logging.getLogger(__name__)
 
 _NUM_I64_FIELDS = 5  # input_ids, positions, slot_mapping, pending_dst, pending_src
+_ROW_ALIGN = 16  # field rows padded to this many entries: every field starts 64-byte aligned
 
 
 @dataclass(frozen=True)
-class BucketLayout:
-    """Byte layout of one bucket's inputs in the static buffer (and in its pinned staging)."""
+class StaticLayout:
+    """Byte layout of the static inputs (and of their pinned host copies); see the module
+    docstring. `rows` >= the largest bucket; `width` block-table entries per row."""
 
-    batch_size: int
-    width: int  # block-table entries per row
+    rows: int
+    width: int
+
+    @classmethod
+    def for_buckets(cls, max_batch_size: int, width: int) -> "StaticLayout":
+        return cls(-(-max_batch_size // _ROW_ALIGN) * _ROW_ALIGN, width)
 
     @property
     def i32_offset(self) -> int:
-        return 8 * _NUM_I64_FIELDS * self.batch_size
+        return 8 * _NUM_I64_FIELDS * self.rows
 
     @property
-    def num_i32(self) -> int:
-        return self.batch_size * (1 + self.width)
+    def tables_offset(self) -> int:
+        return self.i32_offset + 4 * self.rows
 
     @property
     def nbytes(self) -> int:
-        return self.i32_offset + -(-4 * self.num_i32 // 8) * 8
+        return self.tables_offset + 4 * self.rows * self.width
+
+    def step_nbytes(self, batch_size: int) -> int:
+        """Bytes a step of bucket `batch_size` copies: everything up to its last table row."""
+        return self.tables_offset + 4 * batch_size * self.width
 
     def split(self, buffer):
-        """(int64 [5, Bp], seq_lens [Bp], block_tables [Bp, W]) views of a numpy or torch
-        uint8 buffer holding this layout."""
-        i64 = buffer[:self.i32_offset].view(_dtype(buffer, 8)).reshape(_NUM_I64_FIELDS, self.batch_size)
-        i32 = buffer[self.i32_offset:self.i32_offset + 4 * self.num_i32].view(_dtype(buffer, 4))
-        return i64, i32[:self.batch_size], i32[self.batch_size:].reshape(self.batch_size, self.width)
+        """(int64 [5, R], seq_lens [R], block_tables [R, W]) views of a numpy or torch uint8
+        buffer holding this layout."""
+        i64 = buffer[:self.i32_offset].view(_dtype(buffer, 8)).reshape(_NUM_I64_FIELDS, self.rows)
+        seq_lens = buffer[self.i32_offset:self.tables_offset].view(_dtype(buffer, 4))
+        tables = buffer[self.tables_offset:self.nbytes].view(_dtype(buffer, 4))
+        return i64, seq_lens, tables.reshape(self.rows, self.width)
 
 
 def _dtype(buffer, size: int):
@@ -78,17 +97,49 @@ class GraphStep:
     batch_size: int  # the bucket
     num_rows: int
     num_pending: int
-    seq_lens: list[int]
+    seq_lens: np.ndarray  # [num_rows] the real rows' context lengths (host copy)
+
+
+class _Staging:
+    """One pinned host copy of the static layout, and which block table each row holds."""
+
+    def __init__(self, layout: StaticLayout, pinned: bool) -> None:
+        self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.i64, self.seq_lens, self.tables = layout.split(self.buffer.numpy())
+        # Row r of `tables` holds the first row_num_blocks[r] entries of row_tables[r] (the
+        # sequence's own list: the block manager replaces it, never rewrites it, when the
+        # sequence is freed, so the same list object means the same leading entries).
+        self.row_tables: list = [None] * layout.rows
+        self.row_num_blocks = [0] * layout.rows
+        self.copied = torch.cuda.Event() if pinned else None  # recorded after its last copy
+        self.in_flight = False
+
+    def write_tables(self, tables: Sequence[Sequence[int]], num_blocks: Sequence[int]) -> None:
+        """Row r must hold tables[r][:num_blocks[r]]; writes only what it does not yet."""
+        row_tables, row_num_blocks, out = self.row_tables, self.row_num_blocks, self.tables
+        for r, (table, n) in enumerate(zip(tables, num_blocks)):
+            if row_tables[r] is table:
+                done = row_num_blocks[r]
+                if done >= n:
+                    continue
+            else:
+                done = 0
+                row_tables[r] = table
+            out[r, done:n] = table[done:n]
+            row_num_blocks[r] = n
 
 
 class _Bucket:
     """Device views of one bucket's inputs, and its attention metadata over them."""
 
-    def __init__(self, layout: BucketLayout, arena: torch.Tensor, max_seq_len: int, backend) -> None:
-        self.layout = layout
+    def __init__(self, batch_size: int, layout: StaticLayout, arena: torch.Tensor,
+                 max_seq_len: int, backend) -> None:
+        self.batch_size = batch_size
         i64, seq_lens, tables = layout.split(arena)
+        i64 = i64[:, :batch_size]
         self.input_ids, self.positions, self.slot_mapping, self.pending_dst, self.pending_src = i64
-        self.buffers = DecodeBuffers(self.slot_mapping, seq_lens, tables, max_seq_len)
+        self.buffers = DecodeBuffers(self.slot_mapping, seq_lens[:batch_size], tables[:batch_size],
+                                     max_seq_len)
         self.attn_metadata = backend.graph_metadata(self.buffers)
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -113,12 +164,16 @@ class CudaGraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         width = cdiv(max_seq_len, block_size)
         self.backend.init_graph_buffers(self.max_batch_size, width, device)
-        layouts = [BucketLayout(b, width) for b in self.batch_sizes]
-        self.arena = torch.zeros(max(lay.nbytes for lay in layouts), dtype=torch.uint8, device=device)
+        self.layout = StaticLayout.for_buckets(self.max_batch_size, width)
+        self.arena = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.logits = torch.zeros(self.max_batch_size, model.config.vocab_size, dtype=torch.float32,
                                   device=device)
-        self.buckets = {lay.batch_size: _Bucket(lay, self.arena, max_seq_len, self.backend)
-                        for lay in layouts}
+        self.buckets = {b: _Bucket(b, self.layout, self.arena, max_seq_len, self.backend)
+                        for b in self.batch_sizes}
+        # Two host copies used in turn: one can be read by its queued copy while the next
+        # step writes the other.
+        self._staging = [_Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
+        self._num_staged = 0
         # Bucket for each row count 1..max: the smallest captured size that holds it.
         self._bucket_of = [0] + [next(b for b in self.batch_sizes if b >= n)
                                  for n in range(1, self.max_batch_size + 1)]
@@ -152,7 +207,7 @@ class CudaGraphRunner:
     def _forward(self, bucket: _Bucket) -> None:
         hidden = self.model(bucket.input_ids, bucket.positions, self.kv_caches,
                             bucket.attn_metadata)  # [Bp, hidden]
-        self.model.compute_logits(hidden, out=self.logits[:bucket.layout.batch_size])
+        self.model.compute_logits(hidden, out=self.logits[:bucket.batch_size])
 
     # ----- per step ------------------------------------------------------------------------
 
@@ -165,48 +220,56 @@ class CudaGraphRunner:
     def stage_decode(self, scheduled) -> GraphStep:
         """`stage` for the scheduler's decode rows (`ScheduledSequence`s of one new token each).
         A row whose token is a placeholder `-(1 + i)` takes sampled id i of the previous step."""
-        rows, pending_rows, pending_src = [], [], []
-        for r, item in enumerate(scheduled):
-            token = item.seq.token_ids[item.start_position]
-            if token < 0:
-                pending_rows.append(r)
-                pending_src.append(-1 - token)
-                token = 0
-            rows.append((token, item.start_position, item.seq.block_table))
-        return self.stage(rows, (pending_rows, pending_src))
+        seqs = [item.seq for item in scheduled]
+        positions = [item.start_position for item in scheduled]
+        tokens = [seq.token_ids[position] for seq, position in zip(seqs, positions)]
+        return self._stage(tokens, positions, [seq.block_table for seq in seqs])
 
     def stage(self, rows: Sequence[tuple[int, int, Sequence[int]]],
               pending: tuple[list[int], list[int]] | None = None) -> GraphStep:
         """Fills the static inputs for decode rows `(token_id, position, block_table)` with one
         host -> device copy (no sync). `pending` = (rows, sampled indices) whose token id is the
         previous step's sampled id on the device (their `token_id` is ignored)."""
-        num_rows = len(rows)
+        tokens = [token for token, _, _ in rows]
+        for row, src in zip(*(pending or ((), ()))):
+            tokens[row] = -1 - src
+        return self._stage(tokens, [pos for _, pos, _ in rows], [table for _, _, table in rows])
+
+    def _stage(self, tokens: list[int], positions: list[int], tables: list) -> GraphStep:
+        """tokens [B] (a negative token -(1 + i): sampled id i of the previous step, still on
+        the device), positions [B], each row's block table (covering its position)."""
+        num_rows = len(tokens)
         batch_size = self.bucket_for(num_rows)
-        layout = self.buckets[batch_size].layout
-        # Pinned memory from torch's caching host allocator: it is not handed out again before
-        # the copy queued from it has run, so no buffer is overwritten while in flight.
-        staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.arena.is_cuda)
-        i64, seq_lens, tables = layout.split(staging.numpy())
+        staging = self._staging[self._num_staged % 2]
+        self._num_staged += 1
+        # Its previous copy was two steps back and has almost surely run: query() first, so the
+        # common case costs no wait at all (and the sync audit sees none).
+        if staging.in_flight and not staging.copied.query():
+            staging.copied.synchronize()
         bs = self.block_size
-        positions = [pos for _, pos, _ in rows]
-        i64[0, :num_rows] = [tok for tok, _, _ in rows]
-        i64[1, :num_rows] = positions
-        i64[2, :num_rows] = [table[pos // bs] * bs + pos % bs for _, pos, table in rows]
-        i64[0:2, num_rows:] = 0
-        i64[2, num_rows:] = -1
-        lens = [pos + 1 for pos in positions]
-        seq_lens[:num_rows] = lens
-        seq_lens[num_rows:] = 0
-        for r, (_, pos, table) in enumerate(rows):
-            n = pos // bs + 1  # the blocks the row reads; later entries are never read
-            tables[r, :n] = table[:n]
-        num_pending = 0
-        if pending is not None and pending[0]:
-            num_pending = len(pending[0])
-            i64[3, :num_pending] = pending[0]
-            i64[4, :num_pending] = pending[1]
-        self.arena[:layout.nbytes].copy_(staging, non_blocking=True)
-        return GraphStep(batch_size, num_rows, num_pending, lens)
+        i64, seq_lens = staging.i64, staging.seq_lens
+        ids, pos = i64[0, :num_rows], i64[1, :num_rows]
+        ids[:] = tokens
+        pos[:] = positions
+        block_index = pos // bs
+        staging.write_tables(tables, (block_index + 1).tolist())
+        i64[2, :num_rows] = staging.tables[np.arange(num_rows), block_index] * bs + pos % bs
+        i64[0:2, num_rows:batch_size] = 0
+        i64[2, num_rows:batch_size] = -1
+        seq_lens[:num_rows] = pos + 1
+        seq_lens[num_rows:batch_size] = 0
+        pending_rows = np.flatnonzero(ids < 0)
+        num_pending = len(pending_rows)
+        if num_pending:
+            i64[3, :num_pending] = pending_rows
+            i64[4, :num_pending] = -1 - ids[pending_rows]
+            ids[pending_rows] = 0
+        nbytes = self.layout.step_nbytes(batch_size)
+        self.arena[:nbytes].copy_(staging.buffer[:nbytes], non_blocking=True)
+        if staging.copied is not None:
+            staging.copied.record()
+            staging.in_flight = True
+        return GraphStep(batch_size, num_rows, num_pending, seq_lens[:num_rows].copy())
 
     def replay(self, step: GraphStep) -> torch.Tensor:
         """Runs a staged step; returns its logits [B, vocab] fp32 (a view of the static buffer,

@@ -19,8 +19,13 @@ work hides behind the GPU's. The protocol:
 A row that finished at N-1 but was computed in N has its N token discarded; nothing it
 produced after its finish is ever sent. Streamed chunks and final outputs are the
 synchronous engine's; they leave one step later. Requests whose sampling reads earlier tokens
-on the host (`RequestState.needs_host_tokens`) make the engine step synchronously while they
-are live; so does the CPU by default.
+on the host (`RequestState.needs_host_tokens`: logits processors, penalties, multi-token bad
+words, guided decoding) make the engine step synchronously while they are live; so does the CPU
+by default.
+
+Guided decoding (`ExecutorConfig.guided_decoding_config`): `prepare` compiles the request's guide
+(cached, `inflight.sampling.grammar`) and gives it a grammar matcher, which accepts each token as
+it arrives; the sampler masks the logits with the matcher's next-token mask.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
+from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from inflight.request_state import RequestState
+from inflight.request_state import PLACEHOLDER_BASE, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,10 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
+        self.grammars = self._grammar_compiler()
+        # Live requests whose sampling reads their tokens on the host (they make steps
+        # synchronous, and only they can have logits processors): a count, not a scan per step.
+        self._num_host_token_requests = 0
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -93,6 +104,14 @@ class LLMEngine:
         tensors instead of the folder's files (benchmarks; see `Worker`)."""
         config = config or ExecutorConfig()
         return cls(config, Worker(str(model_dir), config, weights))
+
+    def _grammar_compiler(self):
+        guided = self.config.guided_decoding_config
+        if guided is None:
+            return None
+        from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
+
+        return GrammarCompiler(guided, self.model_config.vocab_size)
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -121,11 +140,36 @@ class LLMEngine:
         if reason:
             raise RequestError(reason)
         return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request))
+                            self._embedding_bias(request), self.guide(request))
+
+    def guide(self, request: Request):
+        """A grammar matcher for the request's guide (None without one), its grammar compiled
+        or taken from the cache. Raises RequestError for a guide that does not compile or an
+        engine without guided decoding."""
+        params = request.guided_decoding_params
+        return None if params is None else self._grammar_compiler_for_requests().matcher(params)
+
+    def compile_guide(self, request: Request) -> None:
+        """Compiles the request's guide into the cache now (errors as `guide`): the executor
+        calls this on the caller's thread before taking its lock, so a large schema's compile
+        never holds up the engine loop, and `prepare` finds the grammar in the cache."""
+        if request.guided_decoding_params is not None:
+            self._grammar_compiler_for_requests().compile(request.guided_decoding_params)
+
+    def _grammar_compiler_for_requests(self):
+        if self.grammars is None:
+            raise RequestError(GUIDED_DECODING_OFF)
+        return self.grammars
 
     def admit(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
+        self._num_host_token_requests += state.needs_host_tokens
         self.scheduler.add(state.seq)
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a request that is done (finished, cancelled or failed) from the live set."""
+        if self.requests.pop(state.request_id, None) is not None:
+            self._num_host_token_requests -= state.needs_host_tokens
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.vocab_size
@@ -189,12 +233,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        states = [self.requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        requests = self.requests
+        states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            args = ([st.sampling_row() for st in states], [st.request.logits_processor for st in states],
-                    [st.request_id for st in states])
+            rows = [st.sampling_row for st in states]
+            if self._num_host_token_requests:  # only such requests can have logits processors
+                args = (rows, [st.request.logits_processor for st in states],
+                        [st.request_id for st in states])
+            else:
+                args = (rows, None, None)
             sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
         except EngineFatalError:
             raise
@@ -206,7 +255,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
-                state.add_placeholder(i)
+                state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
         self._in_flight = _InFlight(batch, states, sample)
         if not overlap:
             responses += self._drain()
@@ -215,8 +264,7 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        return (getattr(self.worker, "overlap", False)
-                and not any(st.needs_host_tokens for st in self.requests.values()))
+        return getattr(self.worker, "overlap", False) and not self._num_host_token_requests
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""
@@ -229,15 +277,19 @@ class LLMEngine:
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses = []
+        live, not_finished = self.requests, FinishReason.NOT_FINISHED
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
-            if self.requests.get(state.request_id) is not state:
+            if live.get(state.request_id) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
                 state.accept_token(token, log_prob)
+            except GuideViolation as exc:
+                responses.append(self._fail_request(state, str(exc)))
+                continue
             except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                 responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
                 continue
-            if state.finish_reason is not FinishReason.NOT_FINISHED:
+            if state.finish_reason is not not_finished:
                 responses.append(self._finish(state))
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
@@ -246,7 +298,7 @@ class LLMEngine:
     def _finish(self, state: RequestState) -> Response:
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
-        self.requests.pop(state.request_id, None)
+        self._forget(state)
         self.num_completed_requests += 1
         return state.response(is_final=True)
 
@@ -262,7 +314,7 @@ class LLMEngine:
 
     def _fail_request(self, state: RequestState, message: str) -> Response:
         state.drop_placeholder()
-        self.requests.pop(state.request_id, None)
+        self._forget(state)
         self.scheduler.finish(state.seq)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class RequestState:
     seq: Sequence
     generator: torch.Generator | None
     embedding_bias: torch.Tensor | None
+    # Guided decoding: the request's grammar matcher (inflight.sampling.grammar.GuideMatcher).
+    guide: Any = None
     log_probs: list[float] = field(default_factory=list)
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
@@ -41,23 +44,21 @@ class RequestState:
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token reads its previous tokens on the host:
         Python logits processors, repetition/presence/frequency penalties (their index lists
-        are built from the token ids) and multi-token bad words (their prefix is matched
-        against the tail). Such requests make steps synchronous. Stop words, stopping
+        are built from the token ids), multi-token bad words (their prefix is matched against
+        the tail) and guided decoding (the grammar matcher must accept the last token before
+        it can fill the next token mask). Such requests make steps synchronous. Stop words, stopping
         criteria, end ids, min_tokens and max_tokens do not: they are checked (or counted)
         when the tokens arrive, exactly, one step later."""
         sc, request = self.sampling, self.request
-        return (request.logits_processor is not None
+        return (request.logits_processor is not None or self.guide is not None
                 or (sc.repetition_penalty or 1.0) != 1.0
                 or bool(sc.presence_penalty) or bool(sc.frequency_penalty)
                 or any(len(word) > 1 for word in request.bad_words or []))
 
+    @cached_property
     def sampling_row(self) -> SamplingRow:
         """The sampler's view of this request, built once: its `token_ids` is the sequence's
-        own list, so it follows every token appended (the engine asks for it every step)."""
-        return self._sampling_row
-
-    @cached_property
-    def _sampling_row(self) -> SamplingRow:
+        own list, so it follows every token appended (the engine reads it every step)."""
         sc, seq, end_id = self.sampling, self.seq, self.request.end_id
         greedy = sc.is_greedy
         return SamplingRow(
@@ -75,6 +76,7 @@ class RequestState:
             embedding_bias=self.embedding_bias,
             generator=self.generator,
             return_log_probs=self.request.output_config.return_log_probs,
+            guide=self.guide,
         )
 
     # ----- tokens in -----------------------------------------------------------------------
@@ -87,19 +89,35 @@ class RequestState:
             self.seq.token_ids.pop()
 
     def accept_token(self, token: int, log_prob: float | None) -> None:
-        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, which
-        is never part of the output), and the stop conditions are checked. A failing user
-        `stopping_criteria` raises."""
+        """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, or
+        at a stop token that ends the request's grammar: neither is ever part of the output),
+        and the stop conditions are checked. A failing user `stopping_criteria` raises, and so
+        does a token the grammar refuses (`GuideViolation`). (Runs once per row per step: kept
+        to a few list ops.)"""
         tokens = self.seq.token_ids
         if tokens[-1] < 0:
             tokens.pop()
         if token == self.request.end_id:  # None never equals a token
             self.finish_reason = FinishReason.END_ID
             return
+        if self.guide is not None and self.guide.accept(token):
+            self.finish_reason = FinishReason.END_ID  # the grammar ended with a stop token
+            return
         tokens.append(token)
         if log_prob is not None:
             self.log_probs.append(log_prob)
-        self.finish_reason = self._check_stop()
+        max_num_tokens, has_stop_rules = self._stop_limits
+        if has_stop_rules:
+            self.finish_reason = self._check_stop()
+        elif len(tokens) >= max_num_tokens:
+            self.finish_reason = FinishReason.LENGTH
+
+    @cached_property
+    def _stop_limits(self) -> tuple[int, bool]:
+        """(token count at which max_tokens is reached, whether stop words or stopping
+        criteria must be checked): fixed for the request's life."""
+        _, stop_words, criteria = self._stop_rules
+        return self.seq.max_total_tokens, bool(stop_words) or criteria is not None
 
     @cached_property
     def _stop_rules(self) -> tuple:
@@ -126,14 +144,14 @@ class RequestState:
 
     def response(self, is_final: bool) -> Response:
         request, seq = self.request, self.seq
-        generated = seq.generated_token_ids
-        if request.streaming:
-            new_tokens = generated[self.num_streamed_tokens:]
+        num_prompt = seq.num_prompt_tokens
+        num_generated = len(seq.token_ids) - num_prompt
+        if request.streaming:  # only the new tokens are copied: this runs per row per step
+            output = seq.token_ids[num_prompt + self.num_streamed_tokens:]
             new_log_probs = self.log_probs[self.num_streamed_tokens:]
-            self.num_streamed_tokens = len(generated)
-            output = new_tokens
+            self.num_streamed_tokens = num_generated
         elif request.output_config.exclude_input_from_output:
-            output, new_log_probs = generated, self.log_probs
+            output, new_log_probs = seq.generated_token_ids, self.log_probs
         else:
             output, new_log_probs = seq.token_ids, self.log_probs
         want_log_probs = request.output_config.return_log_probs
@@ -144,7 +162,7 @@ class RequestState:
             log_probs=[list(new_log_probs)] if want_log_probs else None,
             finish_reasons=[self.finish_reason],
             is_sequence_final=is_final,
-            num_input_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(generated),
+            num_input_tokens=num_prompt,
+            num_output_tokens=num_generated,
         )
         return Response(request_id=self.request_id, result=result, client_id=request.client_id)

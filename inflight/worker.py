@@ -37,6 +37,7 @@ from inflight.model.attention import (AttentionLimits, StepMetadata, attention_b
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
                                resolve_dtype, uses_cuda_graphs)
+from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class Worker:
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.graph_runner is not None:
             self._capture_graphs(explicit=perf.cuda_graph_mode is True)
+        if self.device.type == "cuda" and backend_name == "triton":
+            precompile(self)  # every kernel variant a step can need: no JIT stall mid-serving
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
                     "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
@@ -161,7 +164,7 @@ class Worker:
                        hooks: list[LogitsHook | None] | None = None,
                        request_ids: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
-        num_sampled = sum(1 for item in batch.scheduled if item.is_sampled)
+        num_sampled = batch.num_sampled
         if num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
         if self._fits_graph(batch):
@@ -193,7 +196,7 @@ class Worker:
         """A decode step (one new token per row, every row sampled) within the captured sizes."""
         runner = self.graph_runner
         return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
-                and all(item.num_new_tokens == 1 and item.is_sampled for item in batch.scheduled))
+                and batch.is_decode_only)
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""

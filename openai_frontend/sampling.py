@@ -6,14 +6,17 @@ names the parameter and the limit:
   with a `seed`, choice i uses seed + i so the choices differ yet stay reproducible.
 - Log probabilities are returned for the chosen tokens only: the engine does not compute the
   top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
-- Prompts given as token ids, `suffix`, `logit_bias`, `best_of` other than `n`, tools and
-  non-text response formats are refused.
+- Prompts given as token ids, `suffix`, `logit_bias`, `best_of` other than `n` and tools are
+  refused.
+- Chat's `response_format` `json_object` / `json_schema` becomes the ensemble's guided decoding
+  (guide type `json` / `json_schema`); the server must have it on (`guided_decoding_backend`).
 - Defaults follow OpenAI: temperature 1; completions stop after 16 tokens, chat when the
   context is full (or at the engine's `max_output_len`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 from openai_frontend.chat import ChatRenderer
@@ -124,9 +127,6 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
     _common_checks(req)
     if req.tools and req.tool_choice != "none":
         raise bad_request("Tool calling is not supported by this server.", "tools", "unsupported_parameter")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise bad_request("Only the 'text' response format is supported.", "response_format",
-                          "unsupported_value")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     if req.top_logprobs:
@@ -145,6 +145,25 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
         max_tokens = min(room, limits.max_output_len or room)
     _check_max_tokens(max_tokens, limits, param)
     n = req.n or 1
-    requests = _engine_requests(req, prompt, max_tokens, n, False, bool(req.logprobs))
+    guide = dict(zip(("guide_type", "guide"), _guide(req.response_format)))
+    requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, False,
+                                                              bool(req.logprobs))]
     return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
+
+
+def _guide(response_format: dict | None) -> tuple[str | None, str | None]:
+    """OpenAI's `response_format` → (guided_decoding_guide_type, guided_decoding_guide)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return "json", None
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format' of type 'json_schema' needs a 'json_schema' object "
+                              "with a 'schema'.", "response_format")
+        return "json_schema", json.dumps(schema)
+    raise bad_request(f"Unknown 'response_format' type '{kind}': expected text, json_object or "
+                      "json_schema.", "response_format", "unsupported_value")

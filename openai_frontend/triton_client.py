@@ -50,6 +50,8 @@ class EngineRequest:
     min_tokens: int | None = None
     seed: int | None = None
     return_log_probs: bool = False
+    guide_type: str | None = None  # guided_decoding_guide_type (json, json_schema, ...)
+    guide: str | None = None  # guided_decoding_guide
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,12 @@ def ensemble_inputs(request: EngineRequest) -> list[grpcclient.InferInput]:
     values.update((name, getattr(request, name)) for name in _OPTIONAL if getattr(request, name) is not None)
     if request.return_log_probs:
         values["return_log_probs"] = True
-    return [_text_tensor("text_input", request.prompt)] + [_scalar_tensor(k, v) for k, v in values.items()]
+    tensors = [_text_tensor("text_input", request.prompt)] + [_scalar_tensor(k, v) for k, v in values.items()]
+    if request.guide_type is not None:
+        tensors.append(_text_tensor("guided_decoding_guide_type", request.guide_type))
+    if request.guide is not None:
+        tensors.append(_text_tensor("guided_decoding_guide", request.guide))
+    return tensors
 
 
 def decode_chunk(response) -> EngineChunk:

@@ -49,6 +49,7 @@ import bench_gpu_report as report  # noqa: E402
 from bench_gpu_runs import (SHAPES, build_hf, copy_bandwidth, free_memory, hf_generate,  # noqa: E402
                             make_engine, profile_decode, random_prompts, roofline_tok_s, run_engine,
                             weight_bytes_read)
+from inflight.kernels import jit_stats  # noqa: E402
 from inflight.model.config import ModelConfig  # noqa: E402
 
 PLANS = {
@@ -174,8 +175,12 @@ class Bench:
                          "overlap": worker.overlap}
         log(f"  {json.dumps(out['engine'])}")
         try:
-            self.engine_measurements(shape, engine, out, vocab, parity_prompts, parity, mixed_prompts,
-                                     mixed_out, b1_prompt, b1_out)
+            with jit_stats.CompileLog() as compiles:  # must stay empty: start-up precompiles
+                self.engine_measurements(shape, engine, out, vocab, parity_prompts, parity,
+                                         mixed_prompts, mixed_out, b1_prompt, b1_out)
+            out["engine"]["compiles_while_serving"] = [f"{e.kernel} {e.seconds:.2f} s"
+                                                       for e in compiles.events]
+            log(f"  Triton compiles while serving: {len(compiles.events)} ({compiles.seconds:.2f} s)")
         finally:
             del engine, worker
             free_memory(self.device)
@@ -206,7 +211,8 @@ class Bench:
                                 min(128, self.plan["max_seq_len"] // 4), vocab, estimate_s=5)
             if prof:
                 out["profile"].append(prof)
-                log(f"  profile: {json.dumps({k: round(v, 2) for k, v in prof.items()})}")
+                numbers = {k: round(v, 2) for k, v in prof.items() if k != "top_kernels"}
+                log(f"  profile: {json.dumps(numbers)}")
         if shape in self.plan["ab_shapes"]:
             for batch in (1, 64) if shape != "tiny" else (1, 4):
                 self.ab(engine, out, vocab, batch)

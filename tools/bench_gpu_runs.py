@@ -237,9 +237,10 @@ def roofline_tok_s(batch: int, mean_context: float, weight_bytes: int, kv_bytes_
 
 
 def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
-                   num_steps: int = 8) -> dict:
+                   num_steps: int = 8, top: int = 0) -> dict:
     """Kernels per decode step and GPU busy time vs wall time, from torch.profiler over
-    `num_steps` steady decode steps of `batch` rows."""
+    `num_steps` steady decode steps of `batch` rows; with `top`, also `top_kernels`: the
+    `top` kernels by GPU time (name, us and launches per step, % of the busy time)."""
     from torch.profiler import ProfilerActivity, profile
     device = engine.worker.device
     prompts = random_prompts(batch, prompt_len, vocab, seed=99)
@@ -258,16 +259,25 @@ def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         engine.cancel(rid)
     while engine.has_unfinished():
         engine.step()
-    kernels, intervals = 0, []
+    kernels, intervals, by_name = 0, [], {}
     for evt in prof.events():
         if getattr(evt.device_type, "name", "") == "CUDA":
             kernels += 1
             intervals.append((evt.time_range.start, evt.time_range.end))
+            total = by_name.setdefault(evt.name, [0.0, 0])
+            total[0] += evt.time_range.end - evt.time_range.start
+            total[1] += 1
     busy_us, last_end = 0.0, float("-inf")
     for s, e in sorted(intervals):  # union of device intervals
         if e > last_end:
             busy_us += e - max(s, last_end)
             last_end = e
-    return {"batch": batch, "kernels_per_step": kernels / num_steps,
-            "gpu_busy_ms_per_step": busy_us / 1e3 / num_steps,
-            "wall_ms_per_step": wall * 1e3 / num_steps}
+    result = {"batch": batch, "kernels_per_step": kernels / num_steps,
+              "gpu_busy_ms_per_step": busy_us / 1e3 / num_steps,
+              "wall_ms_per_step": wall * 1e3 / num_steps}
+    if top:
+        ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+        result["top_kernels"] = [
+            {"name": name[:120], "us_per_step": us / num_steps, "launches_per_step": n / num_steps,
+             "share_pct": 100 * us / max(busy_us, 1e-9)} for name, (us, n) in ranked]
+    return result

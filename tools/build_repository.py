@@ -65,6 +65,11 @@ DEFAULTS = {
     "cancellation_check_period_ms": "100",
     "stats_check_period_ms": "100",
     "iter_stats_max_iterations": "1000",
+    # Guided decoding (json, json_schema, regex, ebnf_grammar guides) with the tokenizer in
+    # tokenizer_dir. NVIDIA leaves it off; "" turns it off (saves building xgrammar's view of
+    # the vocabulary at load). xgrammar_tokenizer_info_path: NVIDIA's C++ model's alternative.
+    "guided_decoding_backend": "xgrammar",
+    "xgrammar_tokenizer_info_path": "",
     # attention_backend, cuda_graph_mode, cuda_graph_cache_size, ...: declared once, with the
     # engine's defaults, in inflight/serving/params.py KNOBS.
     **template_defaults(),
@@ -97,8 +102,6 @@ DEFAULTS = {
     "eagle_choices": "",
     "gpu_weights_percent": "",
     "speculative_decoding_fast_logits": "",
-    "guided_decoding_backend": "",
-    "xgrammar_tokenizer_info_path": "",
     "multimodal_model_path": "",
     "max_num_images": "",
     # tensorrt_llm_bls (NVIDIA's keys and defaults).

@@ -6,6 +6,11 @@
 #                                       # then tools/bench_gpu.py --quick
 #   bash tools/gpu_check.sh bench-full  # tools/bench_gpu.py --full alone (<= 9 min)
 #   bash tools/gpu_check.sh tests       # the first three stages alone (~5 min)
+#   bash tools/gpu_check.sh jit         # ~3 min: Triton compiles after start-up over a mixed
+#                                       # workload, 1B and 8B (must be 0), slowest step
+#   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
+#                                       # at batch 1/64/256, kernels per step, GPU busy vs wall
+#   bash tools/gpu_check.sh tune        # jit then profile (~6 min)
 #
 # Every stage has its own time limit and runs whatever the others did. Logs and results go to
 # $OUT (the device tool brings them back; default /tmp/gpu_check): gpu_check.log, kernels.log,
@@ -49,6 +54,12 @@ fi
 if [[ $what == all ]]; then
   stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
 fi
+if [[ $what == jit || $what == tune ]]; then
+  stage "jit compiles after start-up" 280 jit.log $PY tools/bench_gpu_checks.py jit --out "$OUT"
+fi
+if [[ $what == profile || $what == tune ]]; then
+  stage "decode profile" 280 profile.log $PY tools/bench_gpu_checks.py profile --out "$OUT"
+fi
 if [[ $what == bench-full ]]; then
   stage "bench --full" 570 bench.log $PY tools/bench_gpu.py --full --out "$OUT"
 fi
@@ -64,6 +75,14 @@ fi
   if [[ -f $OUT/parity.log ]]; then
     echo "--- parity.log ---"
     grep -E '^(PARITY|BF16|SYNC|RESULT|    flagged)' "$OUT/parity.log"
+  fi
+  if [[ -f $OUT/jit.log ]]; then
+    echo "--- jit.log ---"
+    grep -E '^(RESULT|==|  COMPILED|  [0-9a-z].*step)' "$OUT/jit.log"
+  fi
+  if [[ -f $OUT/profile.log ]]; then
+    echo "--- profile.log ---"
+    grep -vE '^(USDT|STAGE|\[W)' "$OUT/profile.log" | tail -n 100
   fi
   if [[ -f $OUT/bench.md ]]; then
     echo "--- bench.md ---"

@@ -76,8 +76,13 @@ def cases(model: str) -> list[Case]:
         Case("e2e grpc context logits", "decoupled", E2E, e2e + ("--return-context-logits",), NOT_YET),
         Case("e2e grpc generation logits", "decoupled", E2E, e2e + ("--return-generation-logits",), NOT_YET),
         Case("e2e grpc perf metrics", "decoupled", E2E, e2e + ("--return-perf-metrics",), NOT_YET),
-        Case("e2e grpc guided json", "decoupled", E2E, e2e + ("--guided-decoding-guide-type", "json"),
-             NOT_YET),
+        Case("e2e grpc guided json", "decoupled", E2E, e2e + ("--guided-decoding-guide-type", "json")),
+        Case("e2e grpc guided json_schema streaming", "decoupled", E2E, e2e + (
+            "--streaming", "--guided-decoding-guide-type", "json_schema", "--guided-decoding-guide",
+            '{"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}')),
+        Case("e2e grpc bls guided regex", "decoupled", E2E, e2e + (
+            "--model-name", "tensorrt_llm_bls", "--guided-decoding-guide-type", "regex",
+            "--guided-decoding-guide", "(Paris|Lyon)[.]")),
         Case("e2e grpc lora", "decoupled", E2E, e2e + ("--lora-task-id", "1"), "LoRA is not supported yet"),
         Case("ibl streaming", "decoupled", IBL, tok + ("--streaming",)),
         Case("ibl streaming stop request", "decoupled", IBL,

@@ -164,7 +164,9 @@ class BlockManager:
                 self._free[block] = None
                 if block not in self._block_hash:
                     self._free.move_to_end(block, last=False)
-        seq.block_table.clear()
+        # A new list, not clear(): a holder of the old list (the CUDA-graph runner's staging
+        # remembers which table it copied) sees the table was dropped, not rewritten.
+        seq.block_table = []
         self._seq_hashes.pop(seq, None)
 
     def ref_count(self, block: int) -> int:

@@ -112,15 +112,18 @@ class Scheduler:
         Sequences finished (cancelled) between `schedule` and `update` are skipped: their blocks
         are already gone.
         """
+        commit = self.block_manager.commit if self.block_manager.enable_prefix_caching else None
         for scheduled in output.scheduled:
-            if scheduled.seq.is_finished:
+            seq = scheduled.seq
+            if seq.status is SequenceStatus.FINISHED:
                 continue
-            scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.commit(scheduled.seq)
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            if commit is not None:
+                commit(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and free its blocks; idempotent."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -137,48 +140,64 @@ class Scheduler:
         return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
-        """Schedule running sequences in admission order; return the budget left."""
-        # Tokens per sequence scheduled so far this step, to undo a row whose sequence is
-        # preempted later in the same step.
-        num_scheduled_tokens: dict[Sequence, int] = {}
+        """Schedule running sequences in admission order; return the budget left.
+
+        This loop runs once per running row per step (the engine's hottest host loop at large
+        batch), so a row whose blocks already cover its new tokens (31 decode steps of 32 at
+        block size 32) never calls into the block manager.
+        """
+        block_size = self.block_manager.block_size
+        running, scheduled = self.running, out.scheduled
         index = 0
-        while index < len(self.running) and num_budget_tokens > 0:
-            seq = self.running[index]
-            if seq.num_generated_tokens >= seq.max_new_tokens:
+        while index < len(running) and num_budget_tokens > 0:
+            seq = running[index]
+            num_tokens = len(seq.token_ids)
+            if num_tokens - len(seq.prompt_token_ids) >= seq.max_new_tokens:
                 # Its last token is being sampled (an overlapped step): it finishes when that
                 # token arrives and never computes more. (Never seen by synchronous engines.)
                 index += 1
                 continue
-            num_new = self._num_new_tokens(seq, num_budget_tokens)
-            if num_new == 0:
-                index += 1
-                continue
+            num_uncomputed = num_tokens - seq.num_computed_tokens
+            if num_uncomputed == 1:  # a decode row
+                num_new = 1
+            else:
+                num_new = self._num_new_tokens(seq, num_budget_tokens)
+                if num_new == 0:
+                    index += 1
+                    continue
             num_needed_tokens = seq.num_computed_tokens + num_new
-            preempted_self = False
-            while not self.block_manager.can_allocate(seq, num_needed_tokens):
-                if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
-                    raise RuntimeError(
-                        f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
-                        f"admission should have reserved them")
-                victim = max(self.running, key=lambda s: s.arrival_index)
-                victim_index = self.running.index(victim)
-                self._preempt(victim, out)
-                if victim in num_scheduled_tokens:
-                    num_budget_tokens += num_scheduled_tokens.pop(victim)
-                    out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-                if victim is seq:
-                    preempted_self = True
-                    break
-                if victim_index < index:
-                    index -= 1
-            if preempted_self:
-                continue  # the next sequence moved into `index`
-            self.block_manager.allocate(seq, num_needed_tokens)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            num_scheduled_tokens[seq] = num_new
+            if num_needed_tokens > len(seq.block_table) * block_size:
+                kept, num_freed_tokens, index = self._make_room(seq, num_needed_tokens, out, index)
+                num_budget_tokens += num_freed_tokens
+                if not kept:
+                    continue  # `seq` itself was preempted; the next sequence moved into `index`
+                self.block_manager.allocate(seq, num_needed_tokens)
+            scheduled.append(ScheduledSequence(seq, num_new))
             num_budget_tokens -= num_new
             index += 1
         return num_budget_tokens
+
+    def _make_room(self, seq: Sequence, num_needed_tokens: int, out: SchedulerOutput,
+                   index: int) -> tuple[bool, int, int]:
+        """Preempts the newest running sequences until `seq` (at `running[index]`) can have
+        its blocks. Returns (whether `seq` is still running, tokens of victims' rows taken
+        out of `out` (back into the budget), `seq`'s index now)."""
+        num_freed_tokens = 0
+        while not self.block_manager.can_allocate(seq, num_needed_tokens):
+            if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+                raise RuntimeError(
+                    f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
+                    f"admission should have reserved them")
+            victim = max(self.running, key=lambda s: s.arrival_index)
+            victim_index = self.running.index(victim)
+            self._preempt(victim, out)
+            num_freed_tokens += sum(s.num_new_tokens for s in out.scheduled if s.seq is victim)
+            out.scheduled[:] = [s for s in out.scheduled if s.seq is not victim]
+            if victim is seq:
+                return False, num_freed_tokens, index
+            if victim_index < index:
+                index -= 1
+        return True, num_freed_tokens, index
 
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
         """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""

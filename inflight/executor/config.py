@@ -112,6 +112,49 @@ class ExtendedRuntimePerfKnobConfig:
         return tuple(sizes[:self.cuda_graph_cache_size] if self.cuda_graph_cache_size else sizes)
 
 
+class GuidedDecodingBackend(enum.Enum):
+    XGRAMMAR = "xgrammar"
+
+    @classmethod
+    def from_name(cls, name: str) -> "GuidedDecodingBackend":
+        for backend in cls:
+            if backend.value == name.strip().lower():
+                return backend
+        choices = ", ".join(b.value for b in cls)
+        raise ConfigError(f"unknown guided_decoding_backend '{name}'; expected one of: {choices} "
+                          "(or leave it unset to turn guided decoding off)")
+
+
+@dataclass(frozen=True)
+class GuidedDecodingConfig:
+    """Guided decoding for the whole engine (TensorRT-LLM's `GuidedDecodingConfig`): the
+    backend and the tokenizer its token masks are built from.
+
+    `encoded_vocab[i]` is token i as the tokenizer's vocabulary spells it (byte-level "Ġ"
+    prefixes and all); `tokenizer_str` the Hugging Face tokenizer's JSON, from which the
+    vocabulary's encoding is detected; `stop_token_ids` the tokens that end a grammar (the
+    tokenizer's EOS). Ours on top: `vocab_type` / `add_prefix_space`, detected from the loaded
+    tokenizer when the config is built from one (`inflight.sampling.grammar.
+    guided_decoding_config`), which is surer than reading them back from `tokenizer_str`.
+    """
+
+    backend: GuidedDecodingBackend = GuidedDecodingBackend.XGRAMMAR
+    encoded_vocab: tuple[str, ...] = field(default=(), repr=False)
+    tokenizer_str: str | None = field(default=None, repr=False)
+    stop_token_ids: tuple[int, ...] | None = None
+    vocab_type: str | None = None  # xgrammar's VocabType name: RAW, BYTE_FALLBACK, BYTE_LEVEL
+    add_prefix_space: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.backend, GuidedDecodingBackend),
+               "guided decoding backend must be a GuidedDecodingBackend")
+        _check(len(self.encoded_vocab) > 0, "guided decoding needs the tokenizer's encoded_vocab")
+        _check(self.stop_token_ids is None or len(self.stop_token_ids) > 0,
+               "stop_token_ids must not be empty (None: detect them)")
+        _check(self.vocab_type in (None, "RAW", "BYTE_FALLBACK", "BYTE_LEVEL"),
+               f"vocab_type must be RAW, BYTE_FALLBACK or BYTE_LEVEL, got '{self.vocab_type}'")
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -142,9 +185,13 @@ class ExecutorConfig:
     # Overlapped scheduling: the host schedules step N+1 and turns step N-1's tokens into
     # responses while the GPU runs step N (sampled ids feed the next step on the device).
     # None (auto): on with CUDA, off on the CPU. Requests that need their tokens on the host
-    # before the next step (logits processors, penalties, multi-token bad words) make those
-    # steps synchronous. TensorRT-LLM's PyTorch backend calls it `disable_overlap_scheduler`.
+    # before the next step (logits processors, penalties, multi-token bad words, guided
+    # decoding) make those steps synchronous. TensorRT-LLM's PyTorch backend calls it
+    # `disable_overlap_scheduler`.
     enable_overlap_scheduler: bool | None = None
+    # None: guided decoding off (a request that asks for it is refused). Requests with a guide
+    # need their tokens on the host before the next step, so they make steps synchronous.
+    guided_decoding_config: GuidedDecodingConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")

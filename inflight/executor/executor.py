@@ -65,6 +65,8 @@ class Executor:
 
     def enqueue_requests(self, requests: Iterable[Request]) -> list[int]:
         requests = list(requests)
+        for request in requests:  # before the lock the engine loop takes: compiling may be slow
+            self.engine.compile_guide(request)
         with self._lock:
             if not self.can_enqueue_requests():
                 raise RuntimeError(self._fatal_error or "the executor has been shut down")

@@ -23,7 +23,7 @@ class EngineFeatures:
     context_logits: bool = False
     generation_logits: bool = False
     perf_metrics: bool = False
-    guided_decoding: bool = False
+    guided_decoding: bool = False  # the model was loaded with guided_decoding_backend set
     lora: bool = False
 
 
@@ -33,6 +33,10 @@ BUILTIN_FEATURES = EngineFeatures()
 ALL_FEATURES = EngineFeatures(max_beam_width=1 << 10, beam_search=True, multiple_sequences=True,
                               context_logits=True, generation_logits=True, perf_metrics=True,
                               guided_decoding=True, lora=True)
+
+
+GUIDED_DECODING_OFF = ("guided decoding (guided_decoding_guide_type) is off in this model: set the "
+                       "tensorrt_llm parameters guided_decoding_backend (xgrammar) and tokenizer_dir")
 
 
 def _not_yet(what: str) -> str:
@@ -54,12 +58,12 @@ def unsupported(request: Request, features: EngineFeatures) -> str | None:
         (output.return_context_logits, features.context_logits, "return_context_logits"),
         (output.return_generation_logits, features.generation_logits, "return_generation_logits"),
         (output.return_perf_metrics, features.perf_metrics, "return_perf_metrics"),
-        (request.guided_decoding_params is not None, features.guided_decoding,
-         "guided decoding (guided_decoding_guide_type)"),
     )
     for asked, can, what in checks:
         if asked and not can:
             return _not_yet(what)
+    if request.guided_decoding_params is not None and not features.guided_decoding:
+        return GUIDED_DECODING_OFF
     if request.lora_config is not None and not features.lora:
         return ("LoRA is not supported yet by this engine: lora_task_id, lora_weights and "
                 "lora_config are accepted but a request may not use them")

@@ -18,7 +18,9 @@ import torch
 from inflight.kernels._common import check_float, check_last_dim_contiguous, next_pow2, tl, triton
 
 
-@triton.jit
+# slot_mapping is a slice of the step's metadata (read one scalar per program): its
+# alignment is not specialized on, so no batch shape compiles a new variant.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_plane, stride_block, stride_tok, stride_head,

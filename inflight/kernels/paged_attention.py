@@ -45,7 +45,11 @@ MIN_TOKENS_PER_PARTITION = 128
 MAX_PARTITIONS = 64
 
 
-@triton.jit
+# Per-step values (P, the block-table width, metadata pointers) are not specialized on: a
+# new value class (== 1, divisible by 16, pointer alignment) would JIT-compile mid-serving,
+# and these are scalar or gathered loads that gain nothing from the hints.
+@triton.jit(do_not_specialize=["num_partitions", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
                    part_lse_ptr, scale_log2, num_partitions,
                    stride_qb, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
@@ -104,7 +108,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
         tl.store(part_lse_ptr + idx, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])
 def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_partitions, stride_ob, stride_oh,
                    HEAD_DIM: tl.constexpr, PART_PAD: tl.constexpr):
     row = tl.program_id(0)

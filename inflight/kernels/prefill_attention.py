@@ -58,7 +58,11 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
     return acc, l_i, m_i
 
 
-@triton.jit
+# The block-table width and the metadata pointers vary per step: not specialized on (see
+# paged_attention._decode_kernel).
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
                     out_ptr, scale_log2,
                     stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,

@@ -38,7 +38,8 @@ def _rotate_heads(x_ptr, stride_h, num_heads, c1, c2, s1, s2, half,
     tl.store(first + half, (x2f * c2[None, :] + x1f * s2[None, :]).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+# positions is a slice of the step's metadata (one scalar per program): see kv_cache.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_cos, stride_sin, num_q_heads, num_kv_heads, half,
                    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr):

@@ -4,14 +4,17 @@ Processing order for each row (all rows processed together as [S, vocab] tensors
   1. embedding bias (added to the raw logits),
   2. repetition penalty (HF: over prompt + generated tokens), then frequency and presence
      penalties (OpenAI: over generated tokens only),
-  3. bad words and min_tokens bans (logit = -inf),
+  3. bad words and min_tokens bans (logit = -inf); guided rows: the grammar's token mask
+     (`inflight.sampling.token_mask`), their bans folded into it,
   4. log probs: log_softmax(processed / temperature) at the chosen token, temperature taken
      as 1 for greedy rows, i.e. the distribution the row samples from *before* top-k/top-p
-     truncation,
+     truncation (for a guided row: within its mask, as TensorRT-LLM, which masks the logits
+     before its sampling layers),
   5. greedy rows: argmax; random rows: / temperature, top-k, top-p, then one draw from the
      row's own generator (exponential race), so a row's token never depends on its neighbours.
 
-The host builds index lists from the rows' token ids; the device work has no host syncs.
+The host builds index lists from the rows' token ids (and the guided rows' token masks);
+the device work has no host syncs.
 `sample_on_device` leaves the sampled ids (and log probs) on the device in a `DeviceSample`,
 whose `start_copy` queues their copy to pinned host memory and whose `result` waits for that
 copy alone (a CUDA event, not the whole stream): so the next step can be queued before the
@@ -21,10 +24,12 @@ host reads this one's tokens. `sample` does both at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from inflight.platform import to_device
+from inflight.sampling.token_mask import Guide, build_token_mask
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -49,6 +54,9 @@ class SamplingRow:
     embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits first
     generator: torch.Generator | None = None  # per-request RNG on the logits' device
     return_log_probs: bool = False
+    # Guided decoding: the request's grammar matcher (it has accepted every token so far);
+    # only the tokens it allows can be sampled.
+    guide: Guide | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -60,10 +68,20 @@ class SamplingRow:
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @cached_property
+    def is_plain_greedy(self) -> bool:
+        """Argmax with nothing applied to the logits at any step and no log probs. Cached: a
+        row's parameters are fixed once it is built (only `token_ids` grows)."""
+        return (self.is_greedy and not self.return_log_probs and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and not self.bad_words and self.embedding_bias is None and self.guide is None
+                and (self.end_id is None or self.min_tokens <= 0))
+
     def has_processors(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.bad_words)
-                or self.embedding_bias is not None or self._min_tokens_active())
+                or self.embedding_bias is not None or self._min_tokens_active()
+                or self.guide is not None)
 
     def _min_tokens_active(self) -> bool:
         return self.end_id is not None and self.num_generated_tokens < self.min_tokens
@@ -155,6 +173,8 @@ class Sampler:
         """`sample` without reading the tokens back: no host sync."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
+        if all(r.is_plain_greedy for r in rows):  # the common case, checked in one pass
+            return DeviceSample(logits.argmax(dim=-1), None, [False] * len(rows))
         wants = [r.return_log_probs for r in rows]
         want_log_probs = any(wants)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
@@ -177,7 +197,8 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Applies bias, penalties and bans (steps 1-3); returns a new [S, vocab] tensor."""
+        """Applies bias, penalties, bans and token masks (steps 1-3); returns a new [S, vocab]
+        tensor."""
         num_rows, vocab_size = logits.shape
         device = logits.device
         logits = logits.clone()
@@ -209,9 +230,12 @@ class Sampler:
             logits -= _row_param(rows, "frequency_penalty", device) * counts
             logits -= _row_param(rows, "presence_penalty", device) * (counts > 0).float()
 
-        banned = [r.banned_token_ids() for r in rows]
+        banned = [r.banned_token_ids() if r.guide is None else [] for r in rows]
         if any(banned):
             logits.view(-1).index_fill_(0, _flat_indices(banned, vocab_size, device), float("-inf"))
+        token_mask = build_token_mask(rows, vocab_size, device)
+        if token_mask is not None:
+            token_mask.apply(logits)
         return logits
 
     @staticmethod

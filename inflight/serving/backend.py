@@ -35,7 +35,8 @@ def engine_features(backend: str, config: ExecutorConfig) -> EngineFeatures:
     """What the chosen executor can serve; requests needing more are refused up front."""
     if backend == "tensorrtllm":
         return ALL_FEATURES
-    return dataclasses.replace(BUILTIN_FEATURES, max_beam_width=config.max_beam_width)
+    return dataclasses.replace(BUILTIN_FEATURES, max_beam_width=config.max_beam_width,
+                               guided_decoding=config.guided_decoding_config is not None)
 
 
 class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is not installable here
@@ -61,8 +62,25 @@ class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is no
             enable_chunked_context=config.enable_chunked_context,
             normalize_log_probs=config.normalize_log_probs,
             max_queue_size=config.max_queue_size,
+            guided_decoding_config=self._guided_config(config.guided_decoding_config),
         )
         self._executor = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, trt_config)
+
+    def _guided_config(self, guided):
+        if guided is None:
+            return None
+        t = self._trtllm
+        return t.GuidedDecodingConfig(
+            backend=t.GuidedDecodingConfig.GuidedDecodingBackend.XGRAMMAR,
+            encoded_vocab=list(guided.encoded_vocab), tokenizer_str=guided.tokenizer_str,
+            stop_token_ids=list(guided.stop_token_ids) if guided.stop_token_ids else None)
+
+    def _guide(self, params):
+        if params is None:
+            return None
+        t = self._trtllm
+        return t.GuidedDecodingParams(t.GuidedDecodingParams.GuideType[params.guide_type.upper()],
+                                      params.guide)
 
     def enqueue_requests(self, requests) -> list[int]:
         return self._executor.enqueue_requests([self._convert(r) for r in requests])
@@ -80,6 +98,7 @@ class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is no
                          streaming=request.streaming, end_id=request.end_id, pad_id=request.pad_id,
                          stop_words=request.stop_words, bad_words=request.bad_words,
                          embedding_bias=request.embedding_bias,
+                         guided_decoding_params=self._guide(request.guided_decoding_params),
                          sampling_config=t.SamplingConfig(**sampling), output_config=output)
 
     def __getattr__(self, name):

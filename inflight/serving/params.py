@@ -9,7 +9,8 @@ from typing import Callable
 from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
 from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig,
-                                      ExtendedRuntimePerfKnobConfig, KvCacheConfig, SchedulerConfig)
+                                      ExtendedRuntimePerfKnobConfig, GuidedDecodingBackend,
+                                      GuidedDecodingConfig, KvCacheConfig, SchedulerConfig)
 
 
 def get_str(params: dict[str, str], key: str, default: str) -> str:
@@ -99,8 +100,28 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         device=params.get("device", "auto"),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
+        guided_decoding_config=guided_decoding_config(params),
         **_knob_fields(ExecutorConfig, params),
     )
+
+
+def guided_decoding_config(params: dict[str, str]) -> GuidedDecodingConfig | None:
+    """NVIDIA's keys: `guided_decoding_backend` (xgrammar; unset: off) and the tokenizer the
+    token masks are built from: the Hugging Face one in `tokenizer_dir` (NVIDIA's Python model),
+    else the JSON file `xgrammar_tokenizer_info_path` (NVIDIA's C++ model). Loaded here, once."""
+    name = params.get("guided_decoding_backend", "")
+    if not name:
+        return None
+    GuidedDecodingBackend.from_name(name)  # only xgrammar
+    tokenizer_dir, info_path = params.get("tokenizer_dir", ""), params.get("xgrammar_tokenizer_info_path", "")
+    if not tokenizer_dir and not info_path:
+        raise ConfigError(f"guided_decoding_backend is '{name}' but neither tokenizer_dir nor "
+                          "xgrammar_tokenizer_info_path is set; guided decoding needs the model's tokenizer")
+    from inflight.sampling import grammar  # transformers, xgrammar: only when guided decoding is on
+
+    if tokenizer_dir:
+        return grammar.guided_decoding_config_from_dir(tokenizer_dir)
+    return grammar.guided_decoding_config_from_info(info_path)
 
 
 # NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them
@@ -112,8 +133,7 @@ IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_l
                 "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
                 "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
                 "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
-                "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
-                "xgrammar_tokenizer_info_path")
+                "speculative_decoding_fast_logits")
 
 
 def ignored_parameters(params: dict[str, str]) -> list[str]:

@@ -34,8 +34,9 @@ END_DEADLINE_S = 30
 @pytest.fixture(scope="module")
 def plain_server(smollm2_dir, tmp_path_factory):
     """NVIDIA's `decoupled_mode: false` set-up, where the scripts use plain infer calls."""
+    # Guided decoding off, as NVIDIA's default (its tests run on the session's server).
     with running_server(smollm2_dir, tmp_path_factory.mktemp("plain_server"),
-                        decoupled_mode="false") as handle:
+                        decoupled_mode="false", guided_decoding_backend="") as handle:
         yield handle
 
 
@@ -137,7 +138,6 @@ REFUSALS = [
     ({"return_context_logits": np.array([[True]])}, "return_context_logits is not supported yet"),
     ({"return_generation_logits": np.array([[True]])}, "return_generation_logits is not supported yet"),
     ({"return_perf_metrics": np.array([[True]])}, "return_perf_metrics is not supported yet"),
-    ({"guided_decoding_guide_type": np.array([["json"]], dtype=object)}, "guided decoding"),
     ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA is not supported yet"),
     ({"decoder_text_input": np.array([["x"]], dtype=object)}, "this model is decoder-only"),
     ({"top_p": np.array([[1.5]], np.float32)}, "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
@@ -263,6 +263,11 @@ def test_the_plain_set_up_refuses_streaming_with_one_final_error(plain_server):
         assert len(errors) == 1 and "decoupled" in errors[0], errors
     _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[2]], np.int32)))
     assert len(errors) == 1 and "beam_width 2 is not supported yet" in errors[0]
+    # This set-up leaves guided decoding off, as NVIDIA's default does.
+    guide = {"guided_decoding_guide_type": np.array([["json"]], dtype=object)}
+    _, errors, _ = stream_once(plain_server, text_inputs(**guide))
+    assert len(errors) == 1
+    assert "guided decoding (guided_decoding_guide_type) is off in this model" in errors[0]
 
 
 def test_http_infer_refusal_names_the_input(plain_server):

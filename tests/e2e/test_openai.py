@@ -158,6 +158,17 @@ def test_n_choices_are_the_single_requests_with_seed_plus_index(client):
     assert both.usage.completion_tokens == 20  # prompt counted once, both outputs
 
 
+def test_response_format_json_schema_is_guided_decoding(client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": "Capital of France, as JSON?"}],
+        max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content)["city"] in ("Paris", "Rome")
+    assert reply.choices[0].finish_reason == "stop"  # the grammar ended it
+
+
 def test_echo_prepends_the_prompt(client):
     plain = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=4, temperature=0)
     echoed = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=4, temperature=0, echo=True)

@@ -17,7 +17,7 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
 pytest.importorskip("triton")
 
-from inflight.cuda_graph import BucketLayout, CudaGraphRunner  # noqa: E402
+from inflight.cuda_graph import CudaGraphRunner, StaticLayout  # noqa: E402
 from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 from tests.model.tolerances import logits_tolerance  # noqa: E402
@@ -27,14 +27,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 BLOCK = 8
 
 
-def test_bucket_layout_is_8_byte_aligned_and_holds_every_field():
-    for batch_size, width in ((1, 1), (3, 5), (16, 4096)):
-        layout = BucketLayout(batch_size, width)
-        assert layout.i32_offset % 8 == 0 and layout.nbytes % 8 == 0
-        assert layout.nbytes >= 40 * batch_size + 4 * batch_size * (1 + width)
+def test_static_layout_aligns_every_field_and_holds_every_bucket():
+    for max_batch, width in ((1, 1), (3, 5), (16, 4096), (33, 7)):
+        layout = StaticLayout.for_buckets(max_batch, width)
+        assert layout.rows >= max_batch and layout.rows % 16 == 0
+        assert layout.i32_offset % 64 == 0 and layout.tables_offset % 64 == 0
+        assert layout.nbytes == 40 * layout.rows + 4 * layout.rows * (1 + width)
+        assert layout.step_nbytes(max_batch) <= layout.nbytes
         i64, seq_lens, tables = layout.split(torch.zeros(layout.nbytes, dtype=torch.uint8))
-        assert i64.shape == (5, batch_size) and seq_lens.shape == (batch_size,)
-        assert tables.shape == (batch_size, width) and tables.stride() == (width, 1)
+        assert i64.shape == (5, layout.rows) and seq_lens.shape == (layout.rows,)
+        assert tables.shape == (layout.rows, width) and tables.stride() == (width, 1)
 
 
 @pytest.fixture(scope="module")

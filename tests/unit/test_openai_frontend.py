@@ -15,7 +15,7 @@ from openai_frontend.errors import APIError
 from openai_frontend.generation import collect, merge, run_choice
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import Limits, chat_plan, completion_plan
-from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
+from openai_frontend.triton_client import EngineChunk, EngineRequest, classify, ensemble_inputs
 
 LIMITS = Limits(context_length=256)
 
@@ -174,12 +174,28 @@ def test_completion_requests_the_engine_cannot_serve_are_refused_by_name(fields,
     ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
 ])
 def test_chat_requests_the_engine_cannot_serve_are_refused_by_name(fields, param):
     with pytest.raises(APIError) as info:
         chat_plan(_chat(**fields), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("response_format, guide_type, guide", [
+    (None, None, None),
+    ({"type": "text"}, None, None),
+    ({"type": "json_object"}, "json", None),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}},
+     "json_schema", '{"type": "integer"}'),
+])
+def test_response_format_becomes_the_ensembles_guided_decoding(response_format, guide_type, guide):
+    plan = chat_plan(_chat(n=2, response_format=response_format), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
+    assert [(r.guide_type, r.guide) for r in plan.requests] == [(guide_type, guide)] * 2
+    names = [t.name() for t in ensemble_inputs(plan.requests[0])]
+    assert ("guided_decoding_guide_type" in names) == (guide_type is not None)
+    assert ("guided_decoding_guide" in names) == (guide is not None)
 
 
 def test_a_tokenizer_without_template_and_non_text_content_get_clear_400s():

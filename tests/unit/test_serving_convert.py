@@ -70,7 +70,10 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
     ({"return_generation_logits": np.array([True])}, True, "return_generation_logits is not supported yet"),
     ({"return_perf_metrics": np.array([True])}, True, "return_perf_metrics is not supported yet"),
     ({"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, True,
-     "guided decoding (guided_decoding_guide_type) is not supported yet"),
+     "guided decoding (guided_decoding_guide_type) is off in this model: set the tensorrt_llm "
+     "parameters guided_decoding_backend (xgrammar) and tokenizer_dir"),
+    ({"guided_decoding_guide": np.array([[b"[0-9]+"]], dtype=object)}, True,
+     "guided_decoding_guide needs a guided_decoding_guide_type"),
     ({"guided_decoding_guide_type": np.array([[b"yaml"]], dtype=object)}, True,
      "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got yaml"),
     ({"lora_task_id": np.array([[3]], dtype=np.uint64)}, True, "LoRA is not supported yet by this engine"),
@@ -205,6 +208,34 @@ def test_a_feature_the_engine_has_is_let_through():
     # NVIDIA's meanings: top_p <= 0 is "not set", num_return_sequences 0 is 1.
     assert request.sampling_config.top_p is None and options.num_return_sequences == 1
     assert request.sampling_config.is_greedy
+
+
+def test_guided_decoding_inputs_become_the_rows_guide():
+    guided = EngineFeatures(guided_decoding=True)
+    inputs = _inputs(guided_decoding_guide_type=np.array([[b"regex"]], dtype=object),
+                     guided_decoding_guide=np.array([[b"[0-9]+"]], dtype=object))
+    [request], _ = convert.request_rows(inputs, True, False, features=guided)
+    params = request.guided_decoding_params
+    assert (params.guide_type, params.guide) == ("regex", "[0-9]+")
+    # No type, or an empty one (NVIDIA's clients send ""), is no guide at all.
+    for absent in ({}, {"guided_decoding_guide_type": np.array([[b""]], dtype=object)}):
+        [request], _ = convert.request_rows(_inputs(**absent), True, False, features=guided)
+        assert request.guided_decoding_params is None
+    with pytest.raises(RequestError, match="guided_decoding_guide is required for guide type json_schema"):
+        convert.request_rows(_inputs(guided_decoding_guide_type=np.array([[b"json_schema"]], dtype=object)),
+                             True, False, features=guided)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"guided_decoding_backend": "outlines"},
+     "unknown guided_decoding_backend 'outlines'; expected one of: xgrammar"),
+    ({"guided_decoding_backend": "xgrammar"},
+     "neither tokenizer_dir nor xgrammar_tokenizer_info_path is set"),
+])
+def test_guided_decoding_parameters_are_checked_at_load(values, message):
+    with pytest.raises(ConfigError, match=message):
+        params.executor_config(values)
+    assert params.executor_config({}).guided_decoding_config is None  # unset: off, as NVIDIA's
 
 
 def test_decoder_ids_retention_hints_and_prompt_table_ids_alone_are_accepted():

@@ -1,0 +1,73 @@
+"""Specialization keys: what varies per step must not change a kernel's key (or a new batch
+shape would JIT-compile mid-serving), and what the key does depend on is still seen."""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.kernels import jit_stats
+from inflight.kernels.norm import _rms_norm_kernel
+from inflight.kernels.paged_attention import _decode_kernel, _reduce_kernel
+from inflight.kernels.prefill_attention import _prefill_kernel
+
+
+def _decode_args(tables: torch.Tensor, seq_lens: torch.Tensor, num_partitions: int) -> tuple:
+    q = torch.zeros(4, 8, 64)
+    k = torch.zeros(16, 16, 2, 64)
+    return (q, k, k, tables, seq_lens, q, q, q, 0.1, num_partitions,
+            512, 64, 2048, 128, 64, tables.stride(0), 512, 64)
+
+
+def _decode_key(tables, seq_lens, num_partitions):
+    return jit_stats.specialization_key(
+        _decode_kernel, _decode_args(tables, seq_lens, num_partitions),
+        dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_N=64, SINGLE=False,
+             PRECISION="ieee", num_warps=4, num_stages=2))
+
+
+def test_decode_key_ignores_table_width_partitions_and_metadata_alignment():
+    pool = torch.zeros(4096, dtype=torch.int32)
+    keys = set()
+    for width, offset, num_partitions in ((1, 0, 2), (16, 0, 16), (5, 2, 7), (32, 1, 64)):
+        tables = pool[offset:offset + 4 * width].view(4, width)  # offset 1: 4-byte aligned only
+        seq_lens = pool[offset + 1000:offset + 1004]
+        keys.add(_decode_key(tables, seq_lens, num_partitions))
+    assert len(keys) == 1
+
+
+def test_prefill_and_reduce_keys_ignore_per_step_values():
+    pool = torch.zeros(4096, dtype=torch.int32)
+    q = torch.zeros(8, 8, 64)
+    k = torch.zeros(16, 16, 2, 64)
+    keys, reduce_keys = set(), set()
+    for width, offset in ((1, 0), (16, 1), (7, 3)):
+        tables = pool[offset:offset + 3 * width].view(3, width)
+        qsl, lens = pool[offset + 1000:offset + 1004], pool[offset + 2000:offset + 2003]
+        keys.add(jit_stats.specialization_key(
+            _prefill_kernel, (q, k, k, tables, qsl, lens, q, 0.1, 512, 64, 2048, 128, 64,
+                              tables.stride(0), 512, 64),
+            dict(GROUP=4, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32, PRECISION="ieee")))
+    for num_partitions in (2, 16, 33):
+        reduce_keys.add(jit_stats.specialization_key(
+            _reduce_kernel, (q, q, q, num_partitions, 512, 64), dict(HEAD_DIM=64, PART_PAD=64)))
+    assert len(keys) == 1 and len(reduce_keys) == 1
+
+
+def test_key_still_sees_data_alignment_and_constexprs():
+    """Not vacuous: the hidden-state pointer's alignment and the constexprs are in the key."""
+    x = torch.zeros(64)
+
+    def key(t, block):
+        return jit_stats.specialization_key(_rms_norm_kernel, (t, t, x, t, 16, 16, 16, 16, 1e-5),
+                                            dict(BLOCK=block, ADD_RESIDUAL=False))
+    assert key(x[:16], 16) != key(x[1:17], 16)
+    assert key(x[:16], 16) != key(x[:16], 32)
+
+
+def test_every_launched_kernel_is_listed_and_nothing_is_compiled_here():
+    names = set(jit_stats.launched_kernels())
+    assert {"paged_attention._decode_kernel", "paged_attention._reduce_kernel",
+            "prefill_attention._prefill_kernel", "kv_cache._store_kv_kernel", "norm._rms_norm_kernel",
+            "rotary._rotary_kernel", "activation._silu_and_mul_kernel"} <= names
+    if not torch.cuda.is_available():
+        assert jit_stats.num_compiled() == 0  # the interpreter compiles nothing

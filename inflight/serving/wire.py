@@ -25,8 +25,8 @@ import msgpack
 import numpy as np
 
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
-from inflight.executor.types import (FinishReason, OutputConfig, Request, Response, Result,
-                                     SamplingConfig)
+from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request,
+                                     Response, Result, SamplingConfig)
 
 ADD, CANCEL, SHUTDOWN = "add", "cancel", "shutdown"
 READY, INIT_ERROR, REJECTED, STEP, FATAL = "ready", "init_error", "rejected", "step", "fatal"
@@ -48,10 +48,11 @@ def request_to_wire(request: Request) -> dict:
     stopping_criteria) are Python callables and never travel."""
     if request.logits_processor is not None or request.stopping_criteria is not None:
         raise ValueError("logits_processor and stopping_criteria cannot cross a process boundary")
-    # The builtin engine has neither yet; the serving layer refuses them before this point
-    # (inflight.executor.features). Fail loudly rather than drop them if that ever changes.
-    if request.lora_config is not None or request.guided_decoding_params is not None:
-        raise ValueError("lora_config and guided_decoding_params do not cross the process boundary yet")
+    # The builtin engine has no LoRA yet; the serving layer refuses it before this point
+    # (inflight.executor.features). Fail loudly rather than drop it if that ever changes.
+    if request.lora_config is not None:
+        raise ValueError("lora_config does not cross the process boundary yet")
+    guided = request.guided_decoding_params
     bias = request.embedding_bias
     return {
         "input_token_ids": list(request.input_token_ids),
@@ -64,13 +65,14 @@ def request_to_wire(request: Request) -> dict:
         "bad_words": request.bad_words,
         "stop_words": request.stop_words,
         "embedding_bias": None if bias is None else np.asarray(bias, dtype=np.float32).tobytes(),
+        "guided": None if guided is None else [guided.guide_type, guided.guide],
         "client_id": request.client_id,
     }
 
 
 def request_from_wire(data: dict) -> Request:
     """Rebuilds a `Request`; its constructors check every field again (RequestError)."""
-    bias = data["embedding_bias"]
+    bias, guided = data["embedding_bias"], data["guided"]
     return Request(
         input_token_ids=data["input_token_ids"],
         max_tokens=data["max_tokens"],
@@ -82,6 +84,7 @@ def request_from_wire(data: dict) -> Request:
         bad_words=data["bad_words"],
         stop_words=data["stop_words"],
         embedding_bias=None if bias is None else np.frombuffer(bias, dtype=np.float32),
+        guided_decoding_params=None if guided is None else GuidedDecodingParams(*guided),
         client_id=data["client_id"],
     )
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from inflight.executor.stats import IterationStats
-from inflight.executor.types import FinishReason, Request, Response, Result
+from inflight.executor.types import FinishReason, GuidedDecodingParams, Request, Response, Result
 from inflight.serving import convert, wire
 from inflight.serving.request_table import RequestTable, merge
 
@@ -190,7 +190,10 @@ def test_wire_round_trip_of_requests_responses_and_stats():
                       embedding_bias=np.arange(4, dtype=np.float32))
     back = wire.request_from_wire(wire.unpack(wire.pack([wire.request_to_wire(request)]))[0])
     assert back.input_token_ids == [1, 2] and back.stop_words == [[5, 6]] and back.end_id == -1
-    assert back.embedding_bias.tolist() == [0, 1, 2, 3]
+    assert back.embedding_bias.tolist() == [0, 1, 2, 3] and back.guided_decoding_params is None
+    guided = Request([1], 2, guided_decoding_params=GuidedDecodingParams("regex", "[0-9]+"))
+    back = wire.request_from_wire(wire.unpack(wire.pack([wire.request_to_wire(guided)]))[0])
+    assert back.guided_decoding_params == GuidedDecodingParams("regex", "[0-9]+")
     response = chunk(3, [7, 8], final=True, reason=FinishReason.STOP_WORDS)
     again = wire.response_from_wire(3, wire.unpack(wire.pack(wire.response_to_wire(response))))
     assert again.result == response.result

@@ -76,6 +76,11 @@ def _words(value: np.ndarray | None, row: int) -> list[str]:
     return [w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in words]
 
 
+def _num_sequences(engine_inputs: Tensors) -> int:
+    value = engine_inputs.get("num_return_sequences")
+    return max(1, int(value.reshape(-1)[0])) if value is not None and value.size else 1
+
+
 def split_inputs(inputs: Tensors) -> tuple[Tensors, Tensors]:
     """Client inputs → (preprocessing inputs, tensorrt_llm inputs), by the ensemble's routes."""
     for name, reason in _UNSUPPORTED.items():
@@ -107,6 +112,10 @@ class Pipeline:
             raise InputError("stream is true but the tensorrt_llm_bls model is not decoupled "
                              "(decoupled_mode: false): streaming needs a decoupled model")
         pre_inputs, engine_inputs = split_inputs(inputs)
+        num_sequences = _num_sequences(engine_inputs)
+        if num_sequences > 1 and not self.decoupled:
+            raise InputError("num_return_sequences > 1 needs a decoupled tensorrt_llm_bls model "
+                             "(decoupled_mode: true): each sequence is its own response")
         pre = self.models.infer("preprocessing", pre_inputs, list(PREPROCESSING_TO_ENGINE))
         engine_inputs.update((PREPROCESSING_TO_ENGINE[k], v) for k, v in pre.items()
                              if k in PREPROCESSING_TO_ENGINE)
@@ -128,7 +137,7 @@ class Pipeline:
                 continue
             text = self._text(out, row, streaming, pre, b, inputs)
             yield {"text_output": text, **{k: v for k, v in out.items() if k in ENGINE_PASS_THROUGH}}
-            if streaming and len(rows) == batch and all(r.stopped for r in rows.values()):
+            if streaming and len(rows) == batch * num_sequences and all(r.stopped for r in rows.values()):
                 ended = True  # NVIDIA's rule: stop the engine once every row has stopped
                 self.models.stop(self.engine_name, request_id)
 

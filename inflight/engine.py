@@ -44,9 +44,10 @@ from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.features import GUIDED_DECODING_OFF
-from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
+from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from inflight.request_state import PLACEHOLDER_BASE, RequestState
+from inflight.request_outputs import RequestOutputs
+from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
@@ -65,6 +66,8 @@ class _InFlight:
     batch: SchedulerOutput
     states: list[RequestState]  # the sampled rows' requests, in row order
     sample: DeviceSample | SamplerOutput
+    # Requests whose prompt logits the step computes, with how many (the worker's spans' order).
+    context_owners: list[tuple[RequestState, int]] | None = None
 
 
 class LLMEngine:
@@ -83,7 +86,15 @@ class LLMEngine:
                                    self.config.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context)
-        self.requests: dict[int, RequestState] = {}
+        self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
+        self.groups: dict[int, RequestGroup] = {}  # num_return_sequences > 1, by request id
+        # Requests whose step-time outputs are still due: perf metrics before their first step,
+        # prompt logits before their prompt is computed. Empty for requests asking for neither,
+        # so a step looks at its rows for them only while such a request is pending.
+        self._awaiting_schedule: set[RequestState] = set()
+        self._awaiting_context: set[RequestState] = set()
+        self._num_generation_logit_requests = 0  # live ones: rows are looked at only when > 0
+        self._groups_waiting: set[RequestGroup] = set()  # sequences wait for the first's prompt
         self._next_request_id = 1
         self.iteration = 0
         self.num_completed_requests = 0
@@ -134,13 +145,19 @@ class LLMEngine:
         if max_queue is not None and num_queued >= max_queue:
             raise QueueFullError(f"Maximum queue size of {max_queue} has been reached, "
                                  "please try again later")
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(request.input_token_ids),
-                       max_new_tokens=request.max_tokens)
-        reason = self.scheduler.check_fits(seq)
+        bias = self._embedding_bias(request)
+        first = self._new_state(request, request_id, request_id, 0, bias, None)
+        reason = self.scheduler.check_fits(first.seq)
         if reason:
             raise RequestError(reason)
-        return RequestState(request_id, request, seq, self._make_generator(request),
-                            self._embedding_bias(request), self.guide(request))
+        num_sequences = request.sampling_config.num_sequences
+        if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
+            others = [self._new_state(request, request_id, self.new_request_id(), i, bias, first.seq)
+                      for i in range(1, num_sequences)]
+            group = RequestGroup(request_id, [first, *others], others, num_sequences)
+            for state in group.members:
+                state.group = group
+        return first
 
     def guide(self, request: Request):
         """A grammar matcher for the request's guide (None without one), its grammar compiled
@@ -161,15 +178,47 @@ class LLMEngine:
             raise RequestError(GUIDED_DECODING_OFF)
         return self.grammars
 
-    def admit(self, state: RequestState) -> None:
-        self.requests[state.request_id] = state
+    def _new_state(self, request: Request, request_id: int, key: int, index: int,
+                   bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
+        """Sequence `index` of a request. Only the first returns the prompt's logits, and it
+        then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
+        want_context_logits = request.output_config.return_context_logits and index == 0
+        seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
+                       max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,
+                       fork_parent=parent)
+        outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
+        return RequestState(request_id, request, seq, self._make_generator(request, index), bias, outputs,
+                            guide=self.guide(request), sequence_index=index)
+
+    def admit(self, state: RequestState, first: bool = False) -> None:
+        """Queue a sequence (`first`: at the head of the queue)."""
+        self.requests[state.key] = state
         self._num_host_token_requests += state.needs_host_tokens
-        self.scheduler.add(state.seq)
+        self._num_generation_logit_requests += state.request.output_config.return_generation_logits
+        if state.request.output_config.return_perf_metrics:
+            self._awaiting_schedule.add(state)
+        if state.outputs.want_context_logits:
+            self._awaiting_context.add(state)
+        self.scheduler.add(state.seq, first)
+        if state.group is not None:
+            self.groups[state.request_id] = state.group
+            if state.group.waiting:
+                self._groups_waiting.add(state.group)
+
+    def _admit_others(self, group: RequestGroup) -> None:
+        """The first sequence's prompt is computed: queue the others first, so they share its
+        prompt blocks while it holds them."""
+        self._groups_waiting.discard(group)
+        for state in reversed(group.take_waiting()):
+            self.admit(state, first=True)
 
     def _forget(self, state: RequestState) -> None:
-        """Drop a request that is done (finished, cancelled or failed) from the live set."""
-        if self.requests.pop(state.request_id, None) is not None:
+        """Drop a sequence that is done (finished, cancelled or failed) from the live set."""
+        if self.requests.pop(state.key, None) is not None:
             self._num_host_token_requests -= state.needs_host_tokens
+            self._num_generation_logit_requests -= state.request.output_config.return_generation_logits
+            self._awaiting_schedule.discard(state)
+            self._awaiting_context.discard(state)
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.vocab_size
@@ -194,7 +243,9 @@ class LLMEngine:
         if bias is not None and len(bias) not in (0, vocab):
             raise RequestError(f"embedding_bias has {len(bias)} entries; expected {vocab} (the vocabulary size)")
 
-    def _make_generator(self, request: Request) -> torch.Generator | None:
+    def _make_generator(self, request: Request, index: int = 0) -> torch.Generator | None:
+        """The RNG of sequence `index`: seeded `seed + index`, so the first sequence draws what
+        the same request with one sequence draws."""
         if request.sampling_config.is_greedy:
             return None
         generator = torch.Generator(device=self.worker.device)
@@ -202,7 +253,7 @@ class LLMEngine:
         if seed is None:
             generator.seed()
         else:
-            generator.manual_seed(seed % 2**63)
+            generator.manual_seed((seed + index) % 2**63)
         return generator
 
     def _embedding_bias(self, request: Request) -> torch.Tensor | None:
@@ -212,12 +263,21 @@ class LLMEngine:
         return torch.as_tensor(bias, dtype=torch.float32).to(self.worker.device)
 
     def cancel(self, request_id: int) -> Response | None:
-        """Stop a request now; returns its final (cancelled) response, or None if unknown."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        state.finish_reason = FinishReason.CANCELLED
-        return self._finish(state)
+        """Stop a request (every sequence of it) now; returns its final (cancelled) response,
+        or None if unknown."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            states = [s for s in group.members if self.requests.get(s.key) is s or s in group.waiting]
+            group.waiting.clear()
+            self._groups_waiting.discard(group)
+        else:
+            state = self.requests.get(request_id)  # a request id, not another sequence's key
+            states = [state] if state is not None and state.request_id == request_id else []
+        response = None
+        for state in states:
+            state.finish_reason = FinishReason.CANCELLED
+            response = self._finish(state)
+        return response
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -235,6 +295,9 @@ class LLMEngine:
             return responses + self._drain()
         requests = self.requests
         states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        spans = context_owners = None
+        if self._awaiting_schedule or self._awaiting_context:
+            spans, context_owners = self._watch(batch)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
@@ -244,7 +307,14 @@ class LLMEngine:
                         [st.request_id for st in states])
             else:
                 args = (rows, None, None)
-            sample = self.worker.launch(batch, *args) if overlap else self.worker.execute(batch, *args)
+            # Only a step with logits to keep passes them (stand-in workers need not know).
+            kwargs = {"context_logits": spans} if spans else {}
+            if self._num_generation_logit_requests:
+                keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
+                if keep:
+                    kwargs["generation_logits"] = keep
+            sample = (self.worker.launch(batch, *args, **kwargs) if overlap
+                      else self.worker.execute(batch, *args, **kwargs))
         except EngineFatalError:
             raise
         except Exception as exc:  # a failed step fails its requests, not the engine
@@ -256,11 +326,34 @@ class LLMEngine:
         for i, state in enumerate(states):
             if state.finish_reason is FinishReason.NOT_FINISHED:
                 state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
-        self._in_flight = _InFlight(batch, states, sample)
+        if self._groups_waiting:  # a first sequence sampled: its prompt is computed
+            for state in states:
+                if state.group in self._groups_waiting:
+                    self._admit_others(state.group)
+        self._in_flight = _InFlight(batch, states, sample, context_owners)
         if not overlap:
             responses += self._drain()
         self._record_stats(batch, time.perf_counter() - start)
         return responses
+
+    def _watch(self, batch: SchedulerOutput) -> tuple[list, list]:
+        """Stamps first steps (perf metrics) and returns the worker's `context_logits` spans
+        for this step, with whose they are. Runs only while a request awaits either."""
+        now_ns = time.time_ns()
+        spans, owners = [], []
+        for row, item in enumerate(batch.scheduled):
+            state = self.requests[item.seq.request_id]
+            if state in self._awaiting_schedule:
+                state.outputs.first_scheduled_time_ns = now_ns
+                self._awaiting_schedule.discard(state)
+            if state in self._awaiting_context:
+                span = state.outputs.context_span(item.start_position, item.num_new_tokens)
+                if span is not None:
+                    spans.append((row, *span))
+                    owners.append((state, span[1]))
+                if not state.outputs.needs_context_logits:
+                    self._awaiting_context.discard(state)
+        return spans, owners
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
@@ -276,13 +369,20 @@ class LLMEngine:
         except Exception as exc:  # the device step failed after it was queued
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
+        if flight.context_owners:
+            self._take_context_logits(flight.context_owners, output.context_logits)
+        # Rows of the sampled rows that asked for their logits, in order (None: none asked).
+        logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
         responses = []
         live, not_finished = self.requests, FinishReason.NOT_FINISHED
         for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
-            if live.get(state.request_id) is not state:
+            logits = None
+            if logit_rows is not None and state.outputs.config.return_generation_logits:
+                logits = next(logit_rows)
+            if live.get(state.key) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
             try:
-                state.accept_token(token, log_prob)
+                state.accept_token(token, log_prob, logits)
             except GuideViolation as exc:
                 responses.append(self._fail_request(state, str(exc)))
                 continue
@@ -295,12 +395,25 @@ class LLMEngine:
                 responses.append(state.response(is_final=False))
         return responses
 
+    def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits) -> None:
+        start = 0
+        for state, count in owners:
+            if self.requests.get(state.key) is state:
+                state.outputs.context_logits.append(logits[start:start + count])
+            start += count
+
     def _finish(self, state: RequestState) -> Response:
+        """Ends one sequence; its request ends with its last sequence."""
         state.drop_placeholder()  # cancelled with a token in flight: it is never sent
         self.scheduler.finish(state.seq)
         self._forget(state)
-        self.num_completed_requests += 1
-        return state.response(is_final=True)
+        is_final = state.is_last_open()
+        if state.group is not None:
+            state.group.num_open -= 1
+            if is_final:
+                self.groups.pop(state.request_id, None)
+        self.num_completed_requests += is_final
+        return state.response(is_final=is_final, is_sequence_final=True)
 
     def _fail(self, batch: SchedulerOutput, message: str) -> list[Response]:
         responses = []
@@ -313,9 +426,17 @@ class LLMEngine:
         return responses
 
     def _fail_request(self, state: RequestState, message: str) -> Response:
-        state.drop_placeholder()
-        self._forget(state)
-        self.scheduler.finish(state.seq)
+        """Fails the whole request (every sequence of it) with one error response."""
+        group = state.group
+        for member in group.members if group is not None else [state]:
+            if self.requests.get(member.key) is member:
+                member.drop_placeholder()
+                self._forget(member)
+                self.scheduler.finish(member.seq)
+        if group is not None:
+            group.waiting.clear()
+            self._groups_waiting.discard(group)
+            self.groups.pop(state.request_id, None)
         return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 
     # ----- statistics ----------------------------------------------------------------------
@@ -331,33 +452,4 @@ class LLMEngine:
         self.last_stats = self.stats()
 
     def stats(self, batch: SchedulerOutput | None = None, latency_ms: float = 0.0) -> IterationStats:
-        bm = self.block_manager
-        batch = batch or SchedulerOutput.make_empty()
-        allocated = bm.num_allocated_blocks + bm.num_reused_blocks
-        return IterationStats(
-            timestamp=IterationStats.now(),
-            iter=self.iteration,
-            iter_latency_ms=latency_ms,
-            num_active_requests=len(self.requests),
-            num_queued_requests=self.scheduler.num_waiting,
-            num_completed_requests=self.num_completed_requests,
-            max_num_active_requests=self.config.max_batch_size,
-            max_batch_size_static=self.config.max_batch_size,
-            max_num_tokens_static=self.config.max_num_tokens,
-            kv_cache_stats=KvCacheStats(
-                max_num_blocks=bm.num_total_blocks, free_num_blocks=bm.num_free_blocks,
-                used_num_blocks=bm.num_used_blocks, tokens_per_block=bm.block_size,
-                alloc_total_blocks=allocated, alloc_new_blocks=bm.num_allocated_blocks,
-                reused_blocks=bm.num_reused_blocks,
-                cache_hit_rate=bm.num_reused_blocks / allocated if allocated else 0.0),
-            inflight_batching_stats=InflightBatchingStats(
-                num_scheduled_requests=len(batch.scheduled),
-                num_context_requests=batch.num_context_requests,
-                num_gen_requests=batch.num_generation_requests,
-                num_paused_requests=len(batch.preempted),
-                num_ctx_tokens=batch.num_context_tokens,
-                num_gen_tokens=batch.num_tokens - batch.num_context_tokens),
-            scheduled_request_ids=[s.seq.request_id for s in batch.scheduled],
-        )
-
-
+        return iteration_stats(self, batch or SchedulerOutput.make_empty(), latency_ms)

@@ -1,7 +1,12 @@
-"""What the engine keeps about one live request, and how its tokens become responses.
+"""What the engine keeps about one live sequence of a request, and how its tokens become responses.
 
 `RequestState` wraps the scheduler's `Sequence` with the request, its RNG and the outputs sent
-so far. Its token list may end with one placeholder (`PLACEHOLDER_BASE - i` < 0: "sampled row
+so far. A request with num_return_sequences n > 1 is n of them, one `RequestGroup`: they share
+the request's id (and the prompt's KV blocks, see `Sequence.fork_parent`); each has its own
+`key` (the scheduler's id), RNG and `sequence_index`, and answers with it, as TensorRT-LLM's
+child requests do. The request is final when its last sequence is.
+
+A sequence's token list may end with one placeholder (`PLACEHOLDER_BASE - i` < 0: "sampled row
 i of the step in flight") between the launch of an overlapped step and the moment the host
 reads that step's tokens; `accept_token` replaces it, `drop_placeholder` removes it.
 """
@@ -16,25 +21,52 @@ import torch
 
 from inflight.core.sequence import Sequence
 from inflight.executor.types import FinishReason, Request, Response, Result
+from inflight.request_outputs import RequestOutputs
 from inflight.sampling.sampler import SamplingRow
 
 PLACEHOLDER_BASE = -1  # placeholder for sampled row i: PLACEHOLDER_BASE - i (the worker's contract)
 
 
 @dataclass(eq=False)
-class RequestState:
-    """Everything the engine keeps about one live request besides its `Sequence`."""
+class RequestGroup:
+    """The sequences of one request with num_return_sequences > 1."""
 
     request_id: int
+    members: list["RequestState"]
+    waiting: list["RequestState"]  # not queued yet: they wait for the first one's prompt
+    num_open: int
+
+    def take_waiting(self) -> list["RequestState"]:
+        waiting, self.waiting = self.waiting, []
+        return waiting
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the engine keeps about one live sequence besides its `Sequence`."""
+
+    request_id: int  # the request's: what responses carry
     request: Request
     seq: Sequence
     generator: torch.Generator | None
     embedding_bias: torch.Tensor | None
-    # Guided decoding: the request's grammar matcher (inflight.sampling.grammar.GuideMatcher).
+    outputs: RequestOutputs
+    # Guided decoding: the sequence's grammar matcher (inflight.sampling.grammar.GuideMatcher).
     guide: Any = None
     log_probs: list[float] = field(default_factory=list)
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    sequence_index: int = 0
+    group: RequestGroup | None = None  # num_return_sequences > 1
+
+    def __post_init__(self) -> None:
+        # This sequence's id in the engine and the scheduler (the request id for the first);
+        # an attribute, not a property: it is read per row per step.
+        self.key = self.seq.request_id
+
+    def is_last_open(self) -> bool:
+        """Whether finishing this sequence ends its request."""
+        return self.group is None or self.group.num_open <= 1
 
     @property
     def sampling(self):
@@ -88,12 +120,15 @@ class RequestState:
         if self.seq.token_ids and self.seq.token_ids[-1] < 0:
             self.seq.token_ids.pop()
 
-    def accept_token(self, token: int, log_prob: float | None) -> None:
+    def accept_token(self, token: int, log_prob: float | None,
+                     generation_logits: torch.Tensor | None = None) -> None:
         """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, or
         at a stop token that ends the request's grammar: neither is ever part of the output),
         and the stop conditions are checked. A failing user `stopping_criteria` raises, and so
         does a token the grammar refuses (`GuideViolation`). (Runs once per row per step: kept
         to a few list ops.)"""
+        if self.outputs.tracks_tokens:  # perf metrics or generation logits asked for
+            self.outputs.on_token(generation_logits)
         tokens = self.seq.token_ids
         if tokens[-1] < 0:
             tokens.pop()
@@ -142,7 +177,9 @@ class RequestState:
 
     # ----- responses out -------------------------------------------------------------------
 
-    def response(self, is_final: bool) -> Response:
+    def response(self, is_final: bool, is_sequence_final: bool | None = None) -> Response:
+        """This sequence's next response. `is_final`: the request's last; `is_sequence_final`
+        (default `is_final`): this sequence's last."""
         request, seq = self.request, self.seq
         num_prompt = seq.num_prompt_tokens
         num_generated = len(seq.token_ids) - num_prompt
@@ -161,8 +198,11 @@ class RequestState:
             cum_log_probs=[float(sum(self.log_probs))] if want_log_probs else None,
             log_probs=[list(new_log_probs)] if want_log_probs else None,
             finish_reasons=[self.finish_reason],
-            is_sequence_final=is_final,
+            sequence_index=self.sequence_index,
+            is_sequence_final=is_final if is_sequence_final is None else is_sequence_final,
             num_input_tokens=num_prompt,
             num_output_tokens=num_generated,
         )
+        if self.outputs.is_asked:  # logits or perf metrics
+            self.outputs.fill(result, seq, request.streaming)
         return Response(request_id=self.request_id, result=result, client_id=request.client_id)

@@ -70,6 +70,9 @@ class ModelRunner:
                  return_log_probs: bool = False) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); outputs keep the prompts' order."""
         sampling_config = sampling_config or SamplingConfig()
+        if sampling_config.num_sequences > 1:  # one GenerationOutput per prompt
+            raise ValueError("num_return_sequences > 1 is not supported by ModelRunner.generate; "
+                             "send the prompt several times with different seeds, or use the Executor")
         if end_id is None:
             eos = self.engine.model_config.eos_token_ids
             end_id = eos[0] if eos else None

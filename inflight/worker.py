@@ -36,7 +36,7 @@ from inflight.model.attention import (AttentionLimits, StepMetadata, attention_b
                                       resolve_attention_backend)
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
-                               resolve_dtype, uses_cuda_graphs)
+                               resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 
@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # (request_id, token_ids so far, logits [vocab]) -> logits [vocab]
 LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+# (row in the batch, first of its new tokens, number of tokens): prompt positions whose logits
+# a request asked for (`return_context_logits`).
+ContextSpan = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class StepInput:
     sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
+    context_indices: torch.Tensor | None = None  # [C] int64: tokens of the step whose logits to keep
+    generation_rows: list[int] | None = None  # sampled rows whose raw logits to keep
 
     @property
     def num_sampled(self) -> int:
@@ -144,33 +149,43 @@ class Worker:
 
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
                 hooks: list[LogitsHook | None] | None = None,
-                request_ids: list[int] | None = None) -> SamplerOutput:
+                request_ids: list[int] | None = None,
+                context_logits: list[ContextSpan] | None = None,
+                generation_logits: list[int] | None = None) -> SamplerOutput:
         """Compute the scheduled tokens and sample one token per `is_sampled` row.
 
-        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order.
+        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order. The
+        output also carries the raw logits of the `generation_logits` sampled rows and of the
+        `context_logits` spans' tokens (see `SamplerOutput`); without them, nothing is
+        computed, copied or even looked at beyond the sampled rows' tokens.
         """
-        return self.launch(batch, rows, hooks, request_ids).result()
+        return self.launch(batch, rows, hooks, request_ids, context_logits, generation_logits).result()
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
                hooks: list[LogitsHook | None] | None = None,
-               request_ids: list[int] | None = None) -> DeviceSample:
+               request_ids: list[int] | None = None,
+               context_logits: list[ContextSpan] | None = None,
+               generation_logits: list[int] | None = None) -> DeviceSample:
         """`execute` without waiting for the tokens: queues the step and returns its sample."""
-        step = self.prepare_inputs(batch, rows, hooks, request_ids)
-        logits = self.run_model(step)
-        return self.sample_on_device(logits, step)
+        step = self.prepare_inputs(batch, rows, hooks, request_ids, context_logits, generation_logits)
+        logits, prompt_logits = self.forward(step)
+        return self.sample_on_device(logits, step, prompt_logits)
 
     def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
                        hooks: list[LogitsHook | None] | None = None,
-                       request_ids: list[int] | None = None) -> StepInput:
+                       request_ids: list[int] | None = None,
+                       context_logits: list[ContextSpan] | None = None,
+                       generation_logits: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
         num_sampled = batch.num_sampled
         if num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
-        if self._fits_graph(batch):
+        if not context_logits and self._fits_graph(batch):
             graph_step = self.graph_runner.stage_decode(batch.scheduled)
-            return StepInput(None, None, graph_step, rows, hooks, request_ids)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
         input_ids: list[int] = []
+        row_starts: list[int] = []  # each row's first token in input_ids
         sampled_rows: list[int] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
@@ -183,6 +198,7 @@ class Worker:
             if len(tokens) > 1 and min(tokens) < 0:
                 raise RuntimeError(f"request {item.seq.request_id}: a placeholder token before "
                                    "its last position")
+            row_starts.append(len(input_ids))
             input_ids.extend(tokens)
             if item.is_sampled:
                 sampled_rows.append(i)
@@ -190,7 +206,12 @@ class Worker:
             [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
             self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
             pending=(pending_dst, pending_src) if pending_dst else None)
-        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids)
+        context_indices = None
+        if context_logits:
+            flat = [row_starts[row] + offset + j for row, offset, count in context_logits for j in range(count)]
+            context_indices = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
+        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
+                         context_indices, generation_logits)
 
     def _fits_graph(self, batch: SchedulerOutput) -> bool:
         """A decode step (one new token per row, every row sampled) within the captured sizes."""
@@ -200,30 +221,58 @@ class Worker:
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
+        return self.forward(step)[0]
+
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run_model`, plus the LM head over `step.context_indices` when a request asked for
+        its prompt's logits: ([S, vocab], [C, vocab] or None), float32."""
         if step.graph_step is not None:
-            return self.graph_runner.replay(step.graph_step)
+            return self.graph_runner.replay(step.graph_step), None
         meta = step.metadata
         input_ids = meta.input_ids
         if meta.pending_dst is not None:
             input_ids = input_ids.index_copy(0, meta.pending_dst,
                                              self.sampled_ids.index_select(0, meta.pending_src))
         hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
+        prompt_logits = None
+        if step.context_indices is not None:
+            prompt_logits = self._prompt_logits(hidden, step.context_indices)  # [C, vocab]
         if step.num_sampled == 0:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt_logits
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
-        return self.model.compute_logits(hidden)  # [S, vocab]
+        return self.model.compute_logits(hidden), prompt_logits  # [S, vocab]
+
+    def _prompt_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The LM head over `hidden[indices]`: [C, vocab] float32. On CUDA it runs in slices of
+        `max_batch_size` rows (what the warm-up's sampled rows measured), each copied at once
+        into pinned host memory, so a long prompt's logits never sit on the device whole."""
+        if self.device.type != "cuda":
+            return self.model.compute_logits(hidden.index_select(0, indices))
+        num_rows, step = indices.shape[0], self.sampled_ids.shape[0]
+        host = torch.empty((num_rows, self.model_config.vocab_size), dtype=torch.float32, pin_memory=True)
+        for start in range(0, num_rows, step):
+            rows = self.model.compute_logits(hidden.index_select(0, indices[start:start + step]))
+            host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
+        return host
 
     def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
         """Logits hooks, then one token per sampled row (the step's one host wait)."""
         return self.sample_on_device(logits, step).result()
 
-    def sample_on_device(self, logits: torch.Tensor, step: StepInput) -> DeviceSample:
+    def sample_on_device(self, logits: torch.Tensor, step: StepInput,
+                         prompt_logits: torch.Tensor | None = None) -> DeviceSample:
         """Logits hooks, then one token per sampled row, left on the device (its copy to the
-        host queued); `sampled_ids` gets them for the next step."""
+        host queued, with the logits requests asked for); `sampled_ids` gets them for the
+        next step."""
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return DeviceSample(empty, None, [])
+            return DeviceSample(empty, None, [], context_logits=prompt_logits).start_copy()
+        kept = None
+        if step.generation_rows:  # raw, before hooks and the sampler; a copy (a graph's static
+            # logits buffer is overwritten by the next replay)
+            rows = to_device(torch.tensor(step.generation_rows, dtype=torch.int64), self.device)
+            kept = logits.index_select(0, rows)
         hooks = step.logits_hooks
         if hooks and any(hooks):
             for i, hook in enumerate(hooks):
@@ -232,6 +281,7 @@ class Worker:
         sample = self.sampler.sample_on_device(logits, step.sampling_rows)
         if self.overlap:  # the next step may read them before the host has
             self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        sample.generation_logits, sample.context_logits = kept, prompt_logits
         return sample.start_copy()
 
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------

@@ -11,12 +11,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.cache/gpu-wheels}
 pins=$(grep -E '^(xgrammar|apache-tvm-ffi)==' requirements.txt)
+# xgrammar imports pydantic, which the GPU image lacks: its stack travels too (the versions the
+# set-up resolves here; pydantic itself is pinned in requirements.txt).
+pins="$pins $(grep -E '^pydantic==' requirements.txt) pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5"
 
 if [[ ${1:-run} == prepare ]]; then
   PIP=${PIP:-.venv/bin/pip}
   # shellcheck disable=SC2086
   $PIP download --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" \
-    --platform manylinux_2_28_x86_64 -d "$WHEELS" $pins
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$WHEELS" $pins
   ls -la "$WHEELS"
   exit 0
 fi

@@ -15,9 +15,11 @@ Checks, every path, 4 prompts in flight together, 24 greedy tokens, end id off:
     divergence passes only at a near tie: HF's fp32 top-1/top-2 margin there below the float
     noise of two evaluation orders, 64 (L + 1) sqrt(H) u |logits|max (as tests/model derive it);
   - bf16: first divergence from the fp32 reference, reported (bf16 rounding decides near ties);
-  - sync audit (bf16): one decode step and one prefill + decode step under
-    torch.cuda.set_sync_debug_mode("warn"): synchronising calls flagged (expected 0) and waits
-    on the sampled-ids copy event (expected 1 per step; torch does not flag event waits).
+  - sync audit (bf16): one decode step and one prefill + decode step, then the same with a
+    request that asks for generation logits and log probs, and one that asks for its prompt's
+    logits, under torch.cuda.set_sync_debug_mode("warn"): synchronising calls flagged (expected
+    0) and waits on the sampled-ids copy event (expected 1 per step; torch does not flag event
+    waits). Logits ride on that copy, so they add no wait.
 Prints one line per check and `RESULT: PASS|FAIL` last; exit 0 on PASS.
 """
 
@@ -146,9 +148,16 @@ def sync_audit(folder: Path, path_name: str, path: tuple, device: str) -> bool:
     for _ in range(4):
         engine.step()
     ok = True
-    for label in ("decode", "prefill+decode"):
+    logits = OutputConfig(return_log_probs=True, return_generation_logits=True, return_perf_metrics=True)
+    for label in ("decode", "prefill+decode", "decode+logits", "prefill+prompt logits"):
         if label == "prefill+decode":
             engine.add_request(Request(list(range(20, 50)), 4))
+        if label == "decode+logits":  # a request that asks for its logits, decoding with the others
+            engine.add_request(Request([15, 16, 17], 12, output_config=logits))
+            engine.step()
+        if label == "prefill+prompt logits":
+            engine.add_request(Request(list(range(60, 90)), 4,
+                                       output_config=OutputConfig(return_context_logits=True)))
         flagged, waits = audited_step(engine)
         ok &= flagged == 0 and waits == 1
         graphs = engine.worker.graph_runner is not None

@@ -75,39 +75,77 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def allocate_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the leading full blocks of `seq.token_ids`.
+        """Attach already computed blocks for the leading full blocks of `seq.token_ids`.
 
         Called once when a sequence with an empty block table is admitted (also after
-        preemption). At most `num_tokens - 1` tokens are covered so the model still computes at
+        preemption). A sequence with a `fork_parent` first shares the parent's computed prompt
+        blocks (num_return_sequences > 1: no copy, no hashing); otherwise, with prefix caching,
+        cached blocks are found by their hashes. A sequence with `reuse_prefix` false attaches
+        nothing. At most `num_tokens - 1` tokens are covered so the model still computes at
         least one token and produces logits. Sets `seq.num_computed_tokens` and
-        `seq.num_cached_tokens` to the cached token count and returns it (0 without prefix
-        caching).
+        `seq.num_cached_tokens` to the attached token count and returns it.
         """
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id}: allocate_prefix needs an empty block table")
-        num_cached_tokens = 0
-        if self.enable_prefix_caching:
-            hashes: list[int] = []
-            parent: int | None = None
-            max_num_blocks = (seq.num_tokens - 1) // self.block_size
-            for index in range(max(max_num_blocks, 0)):
-                tokens = self._block_tokens(seq, index)
-                block_hash = hash_block_tokens(parent, tokens)
-                block = self._hash_to_block.get(block_hash)
-                if block is None or self._block_key[block] != (parent, tokens):
-                    break
-                if self._ref_counts[block] == 0:
-                    del self._free[block]
-                self._ref_counts[block] += 1
-                seq.block_table.append(block)
-                hashes.append(block_hash)
-                parent = block_hash
-            self.num_reused_blocks += len(hashes)
-            self._seq_hashes[seq] = hashes
-            num_cached_tokens = len(hashes) * self.block_size
+        max_num_blocks = max((seq.num_tokens - 1) // self.block_size, 0)
+        num_blocks = 0
+        if seq.reuse_prefix:
+            num_blocks = self._fork(seq, max_num_blocks)
+            if num_blocks == 0 and self.enable_prefix_caching:
+                num_blocks = self._attach_cached(seq, max_num_blocks)
+        seq.num_reused_blocks += num_blocks
+        self.num_reused_blocks += num_blocks
+        num_cached_tokens = num_blocks * self.block_size
         seq.num_computed_tokens = num_cached_tokens
         seq.num_cached_tokens = num_cached_tokens
         return num_cached_tokens
+
+    def release_prefix(self, seq: Sequence) -> None:
+        """Undo `allocate_prefix` for a sequence that could not be admitted after all (the
+        blocks stay cached for the next try; nothing is counted as reused)."""
+        num_blocks = seq.num_cached_tokens // self.block_size
+        seq.num_reused_blocks -= num_blocks
+        self.num_reused_blocks -= num_blocks
+        self.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def _fork(self, seq: Sequence, max_num_blocks: int) -> int:
+        """Share the parent's full, computed prompt blocks; returns how many."""
+        parent = seq.fork_parent
+        if parent is None or parent.is_finished:
+            return 0
+        num_shared_tokens = min(parent.num_computed_tokens, seq.num_prompt_tokens, parent.num_prompt_tokens)
+        num_blocks = min(num_shared_tokens // self.block_size, max_num_blocks, len(parent.block_table))
+        if num_blocks == 0 or parent.token_ids[:num_blocks * self.block_size] != \
+                seq.token_ids[:num_blocks * self.block_size]:
+            return 0
+        for block in parent.block_table[:num_blocks]:
+            self._ref_counts[block] += 1  # referenced by the parent: never in the free list
+            seq.block_table.append(block)
+        if self.enable_prefix_caching:
+            parent_hashes = self._seq_hashes.get(parent, [])
+            self._seq_hashes[seq] = parent_hashes[:num_blocks] if len(parent_hashes) >= num_blocks else []
+        return num_blocks
+
+    def _attach_cached(self, seq: Sequence, max_num_blocks: int) -> int:
+        """Attach blocks found in the prefix cache by their chained hashes; returns how many."""
+        hashes: list[int] = []
+        parent: int | None = None
+        for index in range(max_num_blocks):
+            tokens = self._block_tokens(seq, index)
+            block_hash = hash_block_tokens(parent, tokens)
+            block = self._hash_to_block.get(block_hash)
+            if block is None or self._block_key[block] != (parent, tokens):
+                break
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            seq.block_table.append(block)
+            hashes.append(block_hash)
+            parent = block_hash
+        self._seq_hashes[seq] = hashes
+        return len(hashes)
 
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Fresh blocks `seq` still needs so its block table covers positions [0, num_tokens)."""
@@ -129,6 +167,7 @@ class BlockManager:
             self._ref_counts[block] = 1
             seq.block_table.append(block)
         self.num_allocated_blocks += num_missing
+        seq.num_new_blocks += num_missing
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that are now full and fully computed for later reuse.

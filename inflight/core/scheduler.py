@@ -62,9 +62,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue a sequence; `first` puts it at the head (the other sequences of a request
+        already running, so they share its prompt blocks while it holds them)."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def check_fits(self, seq: Sequence) -> str | None:
         """None if `seq` can ever be scheduled on an otherwise idle engine, else why not.
@@ -219,9 +224,7 @@ class Scheduler:
             num_needed_tokens = seq.num_computed_tokens + num_new
             if num_new == 0 or not self.block_manager.can_allocate(seq, num_needed_tokens):
                 # Give back the prefix blocks; they stay cached for the next try.
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.num_cached_tokens = 0
+                self.block_manager.release_prefix(seq)
                 break
             self.block_manager.allocate(seq, num_needed_tokens)
             self.waiting.popleft()

@@ -43,6 +43,15 @@ class Sequence:
     num_cached_tokens: int = 0
     # Number of times this sequence was preempted and had to be recomputed.
     num_preemptions: int = 0
+    # KV blocks over the sequence's life (per-request perf metrics): handed out fresh, and
+    # attached already computed (prefix cache or the parent's prompt).
+    num_new_blocks: int = 0
+    num_reused_blocks: int = 0
+    # False: every prompt token is computed here, none attached (its prompt logits are needed).
+    reuse_prefix: bool = True
+    # Another sequence of the same request (num_return_sequences > 1) whose computed prompt
+    # blocks this one may share instead of recomputing them.
+    fork_parent: "Sequence | None" = None
     # Monotonic admission order; preemption picks the largest (newest) first.
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
 

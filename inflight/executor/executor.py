@@ -177,10 +177,12 @@ class Executor:
         with self._lock:
             self._fatal_error = message
             # Requests enqueued while the failing step ran were never admitted; fail them too.
-            for state in [*self.engine.requests.values(), *self._incoming]:
+            states = {s.request_id: s for s in [*self.engine.requests.values(), *self._incoming]}
+            for state in states.values():  # one error per request, whatever its sequences
                 self._responses.append(Response(state.request_id, error_msg=message,
                                                 client_id=state.request.client_id))
             self.engine.requests.clear()
+            self.engine.groups.clear()
             self._incoming.clear()
             self._responses_ready.notify_all()
 

@@ -28,7 +28,8 @@ class EngineFeatures:
 
 
 # What `inflight.engine` has today.
-BUILTIN_FEATURES = EngineFeatures()
+BUILTIN_FEATURES = EngineFeatures(multiple_sequences=True, context_logits=True, generation_logits=True,
+                                  perf_metrics=True)
 # TensorRT-LLM does everything itself (and checks it against its own build).
 ALL_FEATURES = EngineFeatures(max_beam_width=1 << 10, beam_search=True, multiple_sequences=True,
                               context_logits=True, generation_logits=True, perf_metrics=True,

@@ -52,3 +52,35 @@ class IterationStats:
     @staticmethod
     def now() -> str:
         return datetime.datetime.now().strftime("%m-%d-%Y %H:%M:%S.%f")
+
+
+def iteration_stats(engine, batch, latency_ms: float) -> IterationStats:
+    """An `inflight.engine.LLMEngine`'s stats after running `batch` (a `SchedulerOutput`)."""
+    bm = engine.block_manager
+    config = engine.config
+    allocated = bm.num_allocated_blocks + bm.num_reused_blocks
+    return IterationStats(
+        timestamp=IterationStats.now(),
+        iter=engine.iteration,
+        iter_latency_ms=latency_ms,
+        num_active_requests=len(engine.requests),
+        num_queued_requests=engine.scheduler.num_waiting,
+        num_completed_requests=engine.num_completed_requests,
+        max_num_active_requests=config.max_batch_size,
+        max_batch_size_static=config.max_batch_size,
+        max_num_tokens_static=config.max_num_tokens,
+        kv_cache_stats=KvCacheStats(
+            max_num_blocks=bm.num_total_blocks, free_num_blocks=bm.num_free_blocks,
+            used_num_blocks=bm.num_used_blocks, tokens_per_block=bm.block_size,
+            alloc_total_blocks=allocated, alloc_new_blocks=bm.num_allocated_blocks,
+            reused_blocks=bm.num_reused_blocks,
+            cache_hit_rate=bm.num_reused_blocks / allocated if allocated else 0.0),
+        inflight_batching_stats=InflightBatchingStats(
+            num_scheduled_requests=len(batch.scheduled),
+            num_context_requests=batch.num_context_requests,
+            num_gen_requests=batch.num_generation_requests,
+            num_paused_requests=len(batch.preempted),
+            num_ctx_tokens=batch.num_context_tokens,
+            num_gen_tokens=batch.num_tokens - batch.num_context_tokens),
+        scheduled_request_ids=[s.seq.request_id for s in batch.scheduled],
+    )

@@ -105,46 +105,72 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     log_probs: list[float | None]  # None for rows that did not ask for log probs
+    # Raw logits (before any processing) of the sampled rows that asked for them, in row
+    # order: [G, vocab] float32 on the host; and the prompt positions' logits the step was
+    # asked for (the worker's `context_logits` spans, in order): [C, vocab].
+    generation_logits: torch.Tensor | None = None
+    context_logits: torch.Tensor | None = None
 
 
 @dataclass
 class DeviceSample:
-    """One step's sampled tokens, still on the logits' device (see the module docstring)."""
+    """One step's sampled tokens, still on the logits' device (see the module docstring).
+
+    `generation_logits` / `context_logits` (only when a request asked for them) ride along:
+    their device -> host copies are queued with the tokens' and waited for by the same event,
+    so returning logits adds no host sync, with or without overlapped steps.
+    """
 
     token_ids: torch.Tensor  # [S] int64
     log_probs: torch.Tensor | None  # [S] float32 log prob of each chosen token, or None
     wants_log_probs: list[bool]  # per row
+    generation_logits: torch.Tensor | None = None  # [G, vocab] float32
+    context_logits: torch.Tensor | None = None  # [C, vocab] float32 (on CUDA: pinned host, filling)
     _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
-    _ready: object = None  # torch.cuda.Event recorded after the copy
+    _host_logits: tuple = (None, None)  # pinned copies of (generation_logits, context_logits)
+    _ready: object = None  # torch.cuda.Event recorded after the copies
 
     def start_copy(self) -> "DeviceSample":
-        """Queues the device -> host copy without waiting (CUDA); a no-op on the CPU."""
-        if self.token_ids.device.type != "cuda" or self._host is not None:
+        """Queues the device -> host copies without waiting (CUDA); a no-op on the CPU."""
+        if self.token_ids.device.type != "cuda" or self._ready is not None:
             return self
         values = self.token_ids
         if self.log_probs is not None:  # one transfer for both: float64 holds every id exactly
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
-        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        self._host.copy_(values, non_blocking=True)
+        self._host = _pinned_copy(values)
+        self._host_logits = (_pinned_copy(self.generation_logits), _pinned_copy(self.context_logits))
         self._ready = torch.cuda.Event()
         self._ready.record()
         return self
 
     def result(self) -> SamplerOutput:
-        """The tokens on the host: waits for this step's copy only (the step's one host wait)."""
+        """The tokens on the host: waits for this step's copies only (the step's one host wait)."""
+        generation_logits, context_logits = self.generation_logits, self.context_logits
         if self.token_ids.device.type == "cuda":
             self.start_copy()
             self._ready.synchronize()
             values = self._host
+            # Out of pinned memory: a request keeps its rows for its whole life.
+            generation_logits, context_logits = (None if t is None else t.clone() for t in self._host_logits)
         elif self.log_probs is not None:
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
         else:
             values = self.token_ids
         if self.log_probs is None:
-            return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs))
+            return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs),
+                                 generation_logits, context_logits)
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
-                             [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)])
+                             [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
+                             generation_logits, context_logits)
+
+
+def _pinned_copy(values: torch.Tensor | None) -> torch.Tensor | None:
+    if values is None or values.device.type == "cpu":  # None, or already copied (pinned)
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

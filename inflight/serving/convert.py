@@ -50,8 +50,9 @@ class RowState:
     batch_index: int
     options: RequestOptions
     request_key: int = 0  # unique per Triton request; see ensemble.io_contract.CANCEL_KEY_PREFIX
-    # Generated tokens already sent (last CONTEXT_TOKENS only): the next chunk's context.
-    context_ids: list[int] = field(default_factory=list)
+    # Per sequence_index, generated tokens already sent (last CONTEXT_TOKENS only): the next
+    # chunk's context.
+    context_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 def is_stop_request(inputs: dict[str, np.ndarray]) -> bool:
@@ -98,6 +99,9 @@ def request_rows(inputs: dict[str, np.ndarray], decoupled: bool, default_exclude
         if reason:
             raise RequestError(reason)
     options.num_return_sequences = requests[0].sampling_config.num_sequences
+    if options.num_return_sequences > 1 and not decoupled:
+        raise RequestError("num_return_sequences > 1 requires the tensorrt_llm model to use the decoupled "
+                           "transaction policy (one response per sequence)")
     return requests, options
 
 
@@ -166,7 +170,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
     result = response.result
     options = row.options
     beams = [list(b) for b in result.output_token_ids]
-    context = row.context_ids if options.streaming else []
+    context = row.context_ids.get(result.sequence_index, []) if options.streaming else []
     out = {
         "output_ids": _beams(beams, np.int32, -1),
         "sequence_length": np.asarray([[len(b) for b in beams]], dtype=np.int32),
@@ -176,7 +180,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
         "request_key": _one(row.request_key, np.uint64),
     }
     if options.streaming:
-        row.context_ids = (row.context_ids + beams[0])[-CONTEXT_TOKENS:]
+        row.context_ids[result.sequence_index] = (context + beams[0])[-CONTEXT_TOKENS:]
     if options.return_log_probs:
         log_probs = [list(lp) for lp in result.log_probs] if result.log_probs else [[] for _ in beams]
         if not options.streaming and not options.exclude_input:
@@ -184,9 +188,9 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
             log_probs = [[0.0] * (len(b) - len(lp)) + lp for b, lp in zip(beams, log_probs)]
         out["cum_log_probs"] = np.asarray([result.cum_log_probs], dtype=np.float32)
         out["output_log_probs"] = _beams(log_probs, np.float32, 0.0)
-    if result.context_logits is not None:
+    if result.context_logits is not None:  # [prompt_len, vocab] -> [1, prompt_len, vocab]
         out["context_logits"] = np.asarray(result.context_logits, dtype=np.float32)[None]
-    if result.generation_logits is not None:
+    if result.generation_logits is not None:  # [beam, steps, vocab] -> [1, beam, steps, vocab]
         out["generation_logits"] = np.asarray(result.generation_logits, dtype=np.float32)[None]
     if options.batch_size > 1:
         out["batch_index"] = _one(row.batch_index, np.int32)

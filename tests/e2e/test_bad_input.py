@@ -54,8 +54,6 @@ ENSEMBLE_CASES = [
      "repetition_penalty must be > 0"),
     ("negative min_tokens", {"text_input": "Hi", "max_tokens": 4, "min_tokens": -1},
      "min_tokens must be >= 0"),
-    ("num_return_sequences 2", {"text_input": "Hi", "max_tokens": 4, "num_return_sequences": 2},
-     "num_return_sequences 2 is not supported yet by this engine"),
     ("unknown input", {"text_input": "Hi", "max_tokens": 4, "bogus": 1}, "unexpected inference input 'bogus'"),
     ("stop_words as INT32", {"text_input": "Hi", "max_tokens": 4, "stop_words": _i32(5)},
      "data-type is 'INT32', but model 'ensemble' expects 'BYTES'"),

@@ -134,10 +134,6 @@ def test_batch_inputs_answer_each_row_with_its_batch_index(server):
 
 REFUSALS = [
     ({"beam_width": np.array([[2]], np.int32)}, "beam_width 2 is not supported yet by this engine (max_beam_width is 1)"),
-    ({"num_return_sequences": np.array([[2]], np.int32)}, "num_return_sequences 2 is not supported yet"),
-    ({"return_context_logits": np.array([[True]])}, "return_context_logits is not supported yet"),
-    ({"return_generation_logits": np.array([[True]])}, "return_generation_logits is not supported yet"),
-    ({"return_perf_metrics": np.array([[True]])}, "return_perf_metrics is not supported yet"),
     ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA is not supported yet"),
     ({"decoder_text_input": np.array([["x"]], dtype=object)}, "this model is decoder-only"),
     ({"top_p": np.array([[1.5]], np.float32)}, "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
@@ -263,6 +259,9 @@ def test_the_plain_set_up_refuses_streaming_with_one_final_error(plain_server):
         assert len(errors) == 1 and "decoupled" in errors[0], errors
     _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[2]], np.int32)))
     assert len(errors) == 1 and "beam_width 2 is not supported yet" in errors[0]
+    for model in ("ensemble", "tensorrt_llm_bls"):  # one response per sequence needs decoupled
+        _, errors, _ = stream_once(plain_server, text_inputs(num_return_sequences=np.array([[2]], np.int32)), model)
+        assert len(errors) == 1 and "num_return_sequences > 1" in errors[0], errors
     # This set-up leaves guided decoding off, as NVIDIA's default does.
     guide = {"guided_decoding_guide_type": np.array([["json"]], dtype=object)}
     _, errors, _ = stream_once(plain_server, text_inputs(**guide))

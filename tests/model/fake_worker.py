@@ -51,7 +51,7 @@ class FakeWorker:
         self.num_steps = 0
 
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow], hooks=None,
-                request_ids=None) -> SamplerOutput:
+                request_ids=None, context_logits=None, generation_logits=None) -> SamplerOutput:
         self.num_steps += 1
         sampled = []
         for item in batch.scheduled:
@@ -60,10 +60,18 @@ class FakeWorker:
             assert len(set(table)) == len(table) and all(0 <= b < self.num_blocks for b in table)
             if item.is_sampled:
                 sampled.append(fake_logits(item.seq.token_ids[:item.context_len]))
+        prompt_logits = None
+        if context_logits:
+            prompt_logits = torch.stack([
+                fake_logits(batch.scheduled[row].seq.token_ids[:batch.scheduled[row].start_position + offset + j + 1])
+                for row, offset, count in context_logits for j in range(count)])
         if not sampled:
-            return SamplerOutput(token_ids=[], log_probs=[])
+            return SamplerOutput(token_ids=[], log_probs=[], context_logits=prompt_logits)
         logits = torch.stack(sampled)  # [num_sampled, vocab]
+        kept = logits[generation_logits].clone() if generation_logits else None
         for i, hook in enumerate(hooks or []):
             if hook is not None:
                 logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])
-        return self.sampler.sample(logits, rows)
+        out = self.sampler.sample(logits, rows)
+        out.generation_logits, out.context_logits = kept, prompt_logits
+        return out

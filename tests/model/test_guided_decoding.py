@@ -177,3 +177,15 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(engine):
     failed, ok = run(engine, [bad, good])
     assert "does not follow the request's grammar" in final(failed).error_msg
     assert re.fullmatch(GUIDES["regex"], detokenize(output_tokens(ok), VOCAB))
+
+
+def test_each_sequence_of_a_request_has_its_own_grammar_state(engine):
+    """num_return_sequences 3, sampled: every sequence is in the language on its own (a shared
+    matcher would see the other sequences' tokens and refuse or mangle them)."""
+    sampling = SamplingConfig(top_k=8, temperature=1.5, seed=3, num_return_sequences=3)
+    [responses] = run(engine, [gen_request(PROMPT, MAX_TOKENS, end_id=EOS, sampling_config=sampling,
+                                           guided_decoding_params=guide("regex"))])
+    texts = {r.result.sequence_index: detokenize(r.result.output_token_ids[0], VOCAB) for r in responses}
+    assert sorted(texts) == [0, 1, 2]
+    for text in texts.values():
+        assert_in_language("regex", text)

@@ -215,3 +215,47 @@ def test_allocate_prefix_requires_empty_table():
     bm.allocate(a, 5)
     with pytest.raises(RuntimeError, match="empty block table"):
         bm.allocate_prefix(a)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_fork_shares_the_parents_full_computed_prompt_blocks(caching):
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=caching)
+    parent = make_seq(10)
+    compute(bm, parent)
+    child = make_seq(tokens=parent.prompt_token_ids)
+    child.fork_parent = parent
+    assert bm.allocate_prefix(child) == 8  # 2 full blocks; the partial third is computed again
+    assert child.block_table == parent.block_table[:2] and child.num_reused_blocks == 2
+    bm.allocate(child, child.num_tokens)
+    assert child.num_new_blocks == 1 and parent.num_new_blocks == 3
+    check_invariants(bm, [parent, child])
+    bm.free(parent)  # the child keeps the shared blocks
+    check_invariants(bm, [child])
+    bm.free(child)
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_a_fork_needs_computed_blocks_of_the_same_prompt():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    parent = make_seq(10)
+    bm.allocate(parent, 10)  # allocated, not computed yet
+    child = make_seq(tokens=parent.prompt_token_ids)
+    child.fork_parent = parent
+    assert bm.allocate_prefix(child) == 0 and child.block_table == []
+    parent.num_computed_tokens = 10
+    other = make_seq(10, first_token=500)
+    other.fork_parent = parent
+    assert bm.allocate_prefix(other) == 0  # other tokens: nothing to share
+
+
+def test_no_prefix_reuse_attaches_nothing_and_release_undoes_an_attach():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    compute(bm, make_seq(9))
+    whole = make_seq(9)
+    whole.reuse_prefix = False
+    assert bm.allocate_prefix(whole) == 0
+    again = make_seq(9)
+    assert bm.allocate_prefix(again) == 8 and bm.num_reused_blocks == 2
+    bm.release_prefix(again)
+    assert (again.block_table, again.num_computed_tokens, again.num_reused_blocks) == ([], 0, 0)
+    assert bm.num_reused_blocks == 0 and bm.num_cached_blocks == 2

@@ -64,11 +64,8 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
     ({"beam_width": np.array([-1], dtype=np.int32)}, True, "beam_width must be > 0, got -1"),
     ({"runtime_top_p_decay": np.array([0.5], dtype=np.float32)}, True, "runtime_top_p_decay 0.5 is not supported"),
     ({"runtime_top_p_decay": np.array([1.5], dtype=np.float32)}, True, "runtime_top_p_decay must be in (0, 1]"),
-    ({"num_return_sequences": np.array([2], dtype=np.int32)}, True,
-     "num_return_sequences 2 is not supported yet by this engine"),
-    ({"return_context_logits": np.array([True])}, True, "return_context_logits is not supported yet"),
-    ({"return_generation_logits": np.array([True])}, True, "return_generation_logits is not supported yet"),
-    ({"return_perf_metrics": np.array([True])}, True, "return_perf_metrics is not supported yet"),
+    ({"num_return_sequences": np.array([2], dtype=np.int32)}, False,
+     "num_return_sequences > 1 requires the tensorrt_llm model to use the decoupled transaction policy"),
     ({"guided_decoding_guide_type": np.array([[b"json"]], dtype=object)}, True,
      "guided decoding (guided_decoding_guide_type) is off in this model: set the tensorrt_llm "
      "parameters guided_decoding_backend (xgrammar) and tokenizer_dir"),
@@ -120,6 +117,25 @@ def test_streamed_responses_carry_the_preceding_tokens_as_context():
     assert sent[2]["output_ids"].shape == (1, 1, 1)
     assert sent[2]["batch_index"].item() == 1 and sent[2]["request_key"].item() == 9
     assert sent[1]["output_log_probs"].shape == (1, 1, 7)
+
+
+def test_each_sequence_streams_in_its_own_context():
+    options = convert.RequestOptions(streaming=True, num_return_sequences=2)
+    row = convert.RowState(batch_index=0, options=options)
+    sent = [convert.response_tensors(Response(1, Result(output_token_ids=[chunk], sequence_index=index)), row)
+            for index, chunk in ((0, [1, 2]), (1, [7]), (0, [3]), (1, [8, 9]))]
+    assert [s["stream_context_ids"].reshape(-1).tolist() for s in sent] == [[], [], [1, 2], [7]]
+    assert [s["sequence_index"].item() for s in sent] == [0, 1, 0, 1]
+
+
+def test_engine_logits_become_nvidia_shapes():
+    # The engine's tensors ([prompt_len, vocab], [beam 1, steps, vocab]; numpy stands in for torch).
+    options = convert.RequestOptions()
+    result = Result(is_final=True, output_token_ids=[[5, 6]], context_logits=np.ones((4, 11), np.float64),
+                    generation_logits=np.zeros((1, 2, 11), np.float32))
+    out = convert.response_tensors(Response(1, result), convert.RowState(0, options))
+    assert out["context_logits"].shape == (1, 4, 11) and out["context_logits"].dtype == np.float32
+    assert out["generation_logits"].shape == (1, 1, 2, 11) and out["generation_logits"].dtype == np.float32
 
 
 def test_parameters_follow_nvidia_keys_and_ignore_unfilled_templates():

@@ -26,7 +26,7 @@ import numpy as np
 
 from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request,
-                                     Response, Result, SamplingConfig)
+                                     RequestPerfMetrics, Response, Result, SamplingConfig)
 
 ADD, CANCEL, SHUTDOWN = "add", "cancel", "shutdown"
 READY, INIT_ERROR, REJECTED, STEP, FATAL = "ready", "init_error", "rejected", "step", "fatal"
@@ -91,27 +91,46 @@ def request_from_wire(data: dict) -> Request:
 
 # ----- responses -----------------------------------------------------------------------------
 
+def _array(value) -> list | None:
+    """An fp32 tensor or array as [shape, bytes]."""
+    if value is None:
+        return None
+    if hasattr(value, "detach"):  # torch, maybe on the device
+        value = value.detach().float().cpu().numpy()
+    array = np.ascontiguousarray(value, dtype=np.float32)
+    return [list(array.shape), array.tobytes()]
+
+
+def _from_array(data: list | None):
+    return None if data is None else np.frombuffer(data[1], dtype=np.float32).reshape(data[0])
+
+
 def response_to_wire(response: Response) -> list:
-    """[error message] or [None, is_final, tokens, cum_log_probs, log_probs, finish reason,
-    num_input_tokens, num_output_tokens] (beam width 1)."""
+    """[error message] or [None, {every Result field as plain data}]."""
     if response.has_error():
         return [response.error_msg]
     r = response.result
-    return [None, r.is_final, list(r.output_token_ids[0]),
-            None if r.cum_log_probs is None else r.cum_log_probs[0],
-            None if r.log_probs is None else list(r.log_probs[0]),
-            r.finish_reasons[0].value, r.num_input_tokens, r.num_output_tokens]
+    perf = r.request_perf_metrics
+    return [None, {
+        "final": r.is_final, "ids": [list(row) for row in r.output_token_ids],
+        "cum": None if r.cum_log_probs is None else list(r.cum_log_probs),
+        "lp": None if r.log_probs is None else [list(row) for row in r.log_probs],
+        "reasons": [reason.value for reason in r.finish_reasons], "seq": r.sequence_index,
+        "seq_final": r.is_sequence_final, "n_in": r.num_input_tokens, "n_out": r.num_output_tokens,
+        "ctx": _array(r.context_logits), "gen": _array(r.generation_logits),
+        "perf": None if perf is None else dataclasses.asdict(perf)}]
 
 
 def response_from_wire(request_id: int, data: list) -> Response:
     if data[0] is not None:
         return Response(request_id, error_msg=data[0])
-    _, is_final, tokens, cum, log_probs, reason, num_in, num_out = data
-    result = Result(is_final=is_final, output_token_ids=[tokens],
-                    cum_log_probs=None if cum is None else [cum],
-                    log_probs=None if log_probs is None else [log_probs],
-                    finish_reasons=[FinishReason(reason)], is_sequence_final=is_final,
-                    num_input_tokens=num_in, num_output_tokens=num_out)
+    d = data[1]
+    result = Result(is_final=d["final"], output_token_ids=d["ids"], cum_log_probs=d["cum"],
+                    log_probs=d["lp"], finish_reasons=[FinishReason(v) for v in d["reasons"]],
+                    sequence_index=d["seq"], is_sequence_final=d["seq_final"],
+                    num_input_tokens=d["n_in"], num_output_tokens=d["n_out"],
+                    context_logits=_from_array(d["ctx"]), generation_logits=_from_array(d["gen"]),
+                    request_perf_metrics=None if d["perf"] is None else RequestPerfMetrics(**d["perf"]))
     return Response(request_id, result=result)
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from inflight.executor.stats import IterationStats
-from inflight.executor.types import FinishReason, GuidedDecodingParams, Request, Response, Result
+from inflight.executor.types import (FinishReason, GuidedDecodingParams, Request, RequestPerfMetrics,
+                                     Response, Result)
 from inflight.serving import convert, wire
 from inflight.serving.request_table import RequestTable, merge
 
@@ -197,6 +198,14 @@ def test_wire_round_trip_of_requests_responses_and_stats():
     response = chunk(3, [7, 8], final=True, reason=FinishReason.STOP_WORDS)
     again = wire.response_from_wire(3, wire.unpack(wire.pack(wire.response_to_wire(response))))
     assert again.result == response.result
+    rich = Response(4, result=Result(is_final=True, output_token_ids=[[1, 2]], sequence_index=1,
+                                     is_sequence_final=True, finish_reasons=[FinishReason.LENGTH],
+                                     context_logits=np.ones((3, 5), np.float32),
+                                     generation_logits=np.zeros((1, 2, 5), np.float32),
+                                     request_perf_metrics=RequestPerfMetrics(arrival_time_ns=7)))
+    back = wire.response_from_wire(4, wire.unpack(wire.pack(wire.response_to_wire(rich)))).result
+    assert back.sequence_index == 1 and back.request_perf_metrics.arrival_time_ns == 7
+    assert back.context_logits.shape == (3, 5) and back.generation_logits.shape == (1, 2, 5)
     stats = IterationStats(iter=3, num_active_requests=2)
     assert wire.stats_from_wire(wire.unpack(wire.pack(wire.stats_to_wire(stats)))) == stats
 

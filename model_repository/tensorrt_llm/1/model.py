@@ -113,7 +113,11 @@ class TritonPythonModel:
 
     def _respond(self):
         while not self.stopping.is_set():
-            self.table.respond(timeout_s=0.05)
+            try:
+                self.table.respond(timeout_s=0.05)
+            except Exception as exc:  # a dead responder would leave every request hanging
+                pb_utils.Logger.log_error(f"{self.model_name}: sending responses failed: "
+                                          f"{type(exc).__name__}: {exc}")
 
     def _every(self, period_s, work):
         while not self.stopping.wait(period_s):

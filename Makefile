@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
-	test-numerics bench bench-serving bench-openai gpu-smoke nvidia-clients clean
+	test-numerics bench bench-serving bench-openai reliability gpu-smoke nvidia-clients clean
 
 setup: $(VENV)/.installed
 
@@ -96,6 +96,12 @@ bench-serving: model
 
 bench-openai: model
 	$(PY) tools/bench_openai.py --model $(MODEL)
+
+# Malformed requests next to good streams, cancellations, fault isolation, drain, and last the
+# Triton-level crashers of issue 13 (RELIABILITY_ARGS=--skip-crashers leaves them out).
+RELIABILITY_ARGS ?=
+reliability: model
+	$(PY) tools/reliability.py --model $(MODEL) $(RELIABILITY_ARGS)
 
 # On a CUDA machine that has the model folder (the device machine runs tools/gpu_smoke.sh
 # stage1 + stage2 instead; see that script).

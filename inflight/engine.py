@@ -46,9 +46,10 @@ from inflight.executor.config import ExecutorConfig
 from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.platform import default_max_num_tokens
 from inflight.request_outputs import RequestOutputs
 from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
-from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
@@ -57,6 +58,29 @@ logger = logging.getLogger(__name__)
 
 class EngineFatalError(RuntimeError):
     """The engine cannot go on (its device state is broken); the executor stops for good."""
+
+
+# What a CUDA context that can no longer run kernels says (torch raises these as RuntimeError,
+# or AcceleratorError in newer versions): every later step would fail too.
+_DEVICE_BROKEN = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS",
+                  "cuDNN error", "NCCL error", "unspecified launch failure")
+
+
+def breaks_device(exc: BaseException) -> bool:
+    """Whether `exc` means the device state is broken (fail everything, stop) rather than one
+    step's requests being bad (fail them, carry on). Out of memory is not: it passes."""
+    if isinstance(exc, EngineFatalError):
+        return True
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _DEVICE_BROKEN)
+
+
+def _fatal(exc: BaseException) -> EngineFatalError:
+    return exc if isinstance(exc, EngineFatalError) else EngineFatalError(f"{type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -82,8 +106,10 @@ class LLMEngine:
         self.model_config = self.worker.model_config
         self.block_manager = BlockManager(self.worker.num_blocks, self.worker.block_size,
                                           self.config.kv_cache_config.enable_block_reuse)
+        self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
+            worker.device, config.enable_chunked_context)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size,
-                                   self.config.max_num_tokens,
+                                   self.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context)
         self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
@@ -242,6 +268,11 @@ class LLMEngine:
         bias = request.embedding_bias
         if bias is not None and len(bias) not in (0, vocab):
             raise RequestError(f"embedding_bias has {len(bias)} entries; expected {vocab} (the vocabulary size)")
+        if bias is not None and len(bias):
+            values = torch.as_tensor(bias, dtype=torch.float32)
+            if bool(values.isnan().any() or values.isposinf().any()):
+                raise RequestError("embedding_bias (the ensemble's embedding_bias_weights) holds NaN or "
+                                   "+inf; it must be finite (or -inf to ban a token)")
 
     def _make_generator(self, request: Request, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence `index`: seeded `seed + index`, so the first sequence draws what
@@ -315,9 +346,9 @@ class LLMEngine:
                     kwargs["generation_logits"] = keep
             sample = (self.worker.launch(batch, *args, **kwargs) if overlap
                       else self.worker.execute(batch, *args, **kwargs))
-        except EngineFatalError:
-            raise
         except Exception as exc:  # a failed step fails its requests, not the engine
+            if breaks_device(exc):
+                raise _fatal(exc) from exc
             logger.exception("engine step %d failed", self.iteration)
             responses += self._drain()  # the previous step's tokens are still good
             return responses + self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
@@ -367,6 +398,8 @@ class LLMEngine:
         try:
             output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
         except Exception as exc:  # the device step failed after it was queued
+            if breaks_device(exc):
+                raise _fatal(exc) from exc
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         if flight.context_owners:
@@ -375,12 +408,19 @@ class LLMEngine:
         logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
         responses = []
         live, not_finished = self.requests, FinishReason.NOT_FINISHED
-        for state, token, log_prob in zip(flight.states, output.token_ids, output.log_probs):
+        vocab_size, errors = self.model_config.vocab_size, output.errors
+        for row, (state, token, log_prob) in enumerate(zip(flight.states, output.token_ids,
+                                                            output.log_probs)):
             logits = None
             if logit_rows is not None and state.outputs.config.return_generation_logits:
                 logits = next(logit_rows)
             if live.get(state.key) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
+            if errors or not 0 <= token < vocab_size:  # its sampling broke: it fails alone
+                reason = self._bad_token(row, token, output, state)
+                if reason:
+                    responses.append(self._fail_request(state, reason))
+                    continue
             try:
                 state.accept_token(token, log_prob, logits)
             except GuideViolation as exc:
@@ -394,6 +434,24 @@ class LLMEngine:
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
         return responses
+
+    def _bad_token(self, row: int, token: int, output: SamplerOutput,
+                   state: RequestState) -> str | None:
+        """Why row `row`'s sampled token cannot be used, or None."""
+        if row in output.errors:
+            return output.errors[row]
+        if token == INVALID_TOKEN and state.request.guided_decoding_params is not None:
+            return ("guided decoding: no token the request's grammar allows has a usable logit "
+                    "(embedding_bias, bad_words or min_tokens banned them all, or the logits "
+                    "became NaN or infinite), so the output cannot follow the request's grammar")
+        if token == INVALID_TOKEN:
+            return ("sampling failed for this request: its logits became NaN or infinite, or every "
+                    "token was banned (check repetition/presence/frequency penalties, "
+                    "embedding_bias, bad_words and min_tokens)")
+        if not 0 <= token < self.model_config.vocab_size:
+            return (f"the model produced token id {token}, outside its vocabulary of "
+                    f"{self.model_config.vocab_size} tokens (a broken checkpoint?)")
+        return None
 
     def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits) -> None:
         start = 0

@@ -92,6 +92,21 @@ def pack_to_device(fields: Sequence[tuple[Sequence | torch.Tensor, torch.dtype]]
 
 # ----- CPU tuning ----------------------------------------------------------------------------
 
+# Per-step token budget when max_num_tokens is "auto". On the CPU a step's time grows with its
+# tokens (about 1 s per ~100 prompt tokens for SmolLM2-135M on one core), and every stream in
+# flight waits for the whole step: the budget bounds the gap a long prompt's prefill chunks
+# put between two tokens of the other streams. CUDA keeps TensorRT-LLM's default, and so does
+# an engine without chunked context, where a whole prompt must fit in one step.
+CPU_MAX_NUM_TOKENS = 256
+CUDA_MAX_NUM_TOKENS = 8192
+
+
+def default_max_num_tokens(device: torch.device | str, chunked_context: bool) -> int:
+    if torch.device(device).type == "cuda" or not chunked_context:
+        return CUDA_MAX_NUM_TOKENS
+    return CPU_MAX_NUM_TOKENS
+
+
 def apply_cpu_threads() -> None:
     """INFLIGHT_NUM_THREADS=N sets torch's intra-op CPU threads (default: torch's own, one per
     core). On a CPU shared with other busy processes one thread can be several times faster

@@ -35,10 +35,10 @@ from inflight.executor.config import ExecutorConfig
 from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
                                       resolve_attention_backend)
 from inflight.model.loader import allocate_kv_caches, load_model
-from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, overlaps_steps, resolve_device,
-                               resolve_dtype, to_device, uses_cuda_graphs)
+from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, default_max_num_tokens,
+                               overlaps_steps, resolve_device, resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile
-from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
+from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class Worker:
         self.cuda_graph_mode = uses_cuda_graphs(
             perf.cuda_graph_mode, self.device, attention_backend_class(backend_name).supports_cuda_graphs)
         self.overlap = overlaps_steps(config.enable_overlap_scheduler, self.device)
+        self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
+            self.device, config.enable_chunked_context)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config = (load_model(model_dir, self.dtype, self.device, backend_name)
                                          if weights is None else
@@ -274,13 +276,13 @@ class Worker:
             rows = to_device(torch.tensor(step.generation_rows, dtype=torch.int64), self.device)
             kept = logits.index_select(0, rows)
         hooks = step.logits_hooks
-        if hooks and any(hooks):
-            for i, hook in enumerate(hooks):
-                if hook is not None:
-                    logits[i] = hook(step.request_ids[i], step.sampling_rows[i].token_ids, logits[i])
+        errors = apply_logits_hooks(logits, hooks, step.request_ids, step.sampling_rows) \
+            if hooks and any(hooks) else {}
         sample = self.sampler.sample_on_device(logits, step.sampling_rows)
-        if self.overlap:  # the next step may read them before the host has
-            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids)
+        sample.errors = errors
+        if self.overlap:  # the next step may read them before the host has; a failed row's
+            # INVALID_TOKEN must never reach the embedding (its request is failed anyway)
+            self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
         sample.generation_logits, sample.context_logits = kept, prompt_logits
         return sample.start_copy()
 
@@ -308,10 +310,10 @@ class Worker:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            self.warm_up(config.max_batch_size, config.max_num_tokens)
+            self.warm_up(config.max_batch_size, self.max_num_tokens)
         except torch.cuda.OutOfMemoryError as exc:
             raise RuntimeError(f"the warm-up step at the largest batch (max_num_tokens "
-                               f"{config.max_num_tokens} over max_num_sequences {config.max_batch_size}) "
+                               f"{self.max_num_tokens} over max_num_sequences {config.max_batch_size}) "
                                f"does not fit in GPU memory next to the weights; lower them: {exc}") from None
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -140,6 +140,10 @@ class TextTokenizer:
                              f"embedding_bias_weights has {len(weights)}")
         if not words:
             return np.zeros((0,), dtype=np.float32)
+        bad = [w for w in weights if np.isnan(w) or w == np.inf]
+        if bad:
+            raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a "
+                             f"word), got {bad[0]}")
         bias = np.zeros((self.vocab_size,), dtype=np.float32)
         for word, weight in zip(words, weights):
             ids = self._word_ids(word)

@@ -45,7 +45,8 @@ DEFAULTS = {
     "batching_strategy": "inflight_fused_batching",
     "max_beam_width": "1",
     "max_num_sequences": "64",
-    "max_num_tokens": "8192",
+    # auto: 8192 (TensorRT-LLM's), 256 on the CPU with chunked context (inflight/platform.py).
+    "max_num_tokens": "auto",
     "max_seq_len": "",
     # Per-request limits (prompt tokens, max_tokens); unset: only the model's context bounds them.
     "max_input_len": "",

@@ -2,9 +2,10 @@
 
 There are no separate prefill and decode phases: every sequence has `num_computed_tokens`
 catching up with `num_tokens`, and each step the scheduler hands out a token budget
-(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first in
-admission order, so decodes are never starved by new prompts; then waiting sequences are admitted
-in FIFO order.
+(`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first:
+decodes, then the chunks of prompts still being prefilled, so neither new prompts nor a long one
+being prefilled in chunks ever starve the streams that are generating; then waiting sequences
+are admitted in FIFO order.
 
 Capacity policies (TensorRT-LLM's names):
 - GUARANTEED_NO_EVICT admits a request only when the KV blocks for its whole life
@@ -145,22 +146,32 @@ class Scheduler:
         return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
-        """Schedule running sequences in admission order; return the budget left.
+        """Schedule running sequences, decodes before prompt chunks; return the budget left.
+
+        Decode rows (one token each) go first, then the chunks of prompts still being
+        prefilled, each in admission order: so a long prompt, chunked under the step's token
+        budget, takes only what the generating streams leave and never delays their next
+        token (TensorRT-LLM's micro-batch scheduler also puts generation requests first).
 
         This loop runs once per running row per step (the engine's hottest host loop at large
         batch), so a row whose blocks already cover its new tokens (31 decode steps of 32 at
         block size 32) never calls into the block manager.
         """
         block_size = self.block_manager.block_size
-        running, scheduled = self.running, out.scheduled
-        index = 0
-        while index < len(running) and num_budget_tokens > 0:
-            seq = running[index]
+        scheduled = out.scheduled  # `_make_room` edits it in place
+        # A copy: `_make_room` may take sequences out of `self.running` while we walk it.
+        order = list(self.running)
+        if any(len(s.token_ids) - s.num_computed_tokens > 1 for s in order):
+            order.sort(key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1)  # stable
+        for seq in order:
+            if num_budget_tokens <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_tokens = len(seq.token_ids)
             if num_tokens - len(seq.prompt_token_ids) >= seq.max_new_tokens:
                 # Its last token is being sampled (an overlapped step): it finishes when that
                 # token arrives and never computes more. (Never seen by synchronous engines.)
-                index += 1
                 continue
             num_uncomputed = num_tokens - seq.num_computed_tokens
             if num_uncomputed == 1:  # a decode row
@@ -168,25 +179,23 @@ class Scheduler:
             else:
                 num_new = self._num_new_tokens(seq, num_budget_tokens)
                 if num_new == 0:
-                    index += 1
                     continue
             num_needed_tokens = seq.num_computed_tokens + num_new
             if num_needed_tokens > len(seq.block_table) * block_size:
-                kept, num_freed_tokens, index = self._make_room(seq, num_needed_tokens, out, index)
+                kept, num_freed_tokens = self._make_room(seq, num_needed_tokens, out)
                 num_budget_tokens += num_freed_tokens
                 if not kept:
-                    continue  # `seq` itself was preempted; the next sequence moved into `index`
+                    continue  # `seq` itself was preempted
                 self.block_manager.allocate(seq, num_needed_tokens)
             scheduled.append(ScheduledSequence(seq, num_new))
             num_budget_tokens -= num_new
-            index += 1
         return num_budget_tokens
 
-    def _make_room(self, seq: Sequence, num_needed_tokens: int, out: SchedulerOutput,
-                   index: int) -> tuple[bool, int, int]:
-        """Preempts the newest running sequences until `seq` (at `running[index]`) can have
-        its blocks. Returns (whether `seq` is still running, tokens of victims' rows taken
-        out of `out` (back into the budget), `seq`'s index now)."""
+    def _make_room(self, seq: Sequence, num_needed_tokens: int,
+                   out: SchedulerOutput) -> tuple[bool, int]:
+        """Preempts the newest running sequences until `seq` can have its blocks. Returns
+        (whether `seq` is still running, tokens of victims' rows taken out of `out`, back
+        into the budget)."""
         num_freed_tokens = 0
         while not self.block_manager.can_allocate(seq, num_needed_tokens):
             if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
@@ -194,15 +203,12 @@ class Scheduler:
                     f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
                     f"admission should have reserved them")
             victim = max(self.running, key=lambda s: s.arrival_index)
-            victim_index = self.running.index(victim)
             self._preempt(victim, out)
             num_freed_tokens += sum(s.num_new_tokens for s in out.scheduled if s.seq is victim)
             out.scheduled[:] = [s for s in out.scheduled if s.seq is not victim]
             if victim is seq:
-                return False, num_freed_tokens, index
-            if victim_index < index:
-                index -= 1
-        return True, num_freed_tokens, index
+                return False, num_freed_tokens
+        return True, num_freed_tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
         """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""

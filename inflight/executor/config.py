@@ -164,7 +164,10 @@ class ExecutorConfig:
 
     max_beam_width: int = 1
     max_batch_size: int = 64
-    max_num_tokens: int = 8192
+    # Tokens one step computes (decodes plus prompt chunks). None (pbtxt "auto"):
+    # `inflight.platform.default_max_num_tokens`, TensorRT-LLM's 8192 except on the CPU with
+    # chunked context, where a step of 8192 prompt tokens would hold every stream for a minute.
+    max_num_tokens: int | None = None
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     enable_chunked_context: bool = False
@@ -196,7 +199,8 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")
         _check(self.max_batch_size > 0, f"max_batch_size must be > 0, got {self.max_batch_size}")
-        _check(self.max_num_tokens > 0, f"max_num_tokens must be > 0, got {self.max_num_tokens}")
+        _check(self.max_num_tokens is None or self.max_num_tokens > 0,
+               f"max_num_tokens must be > 0, got {self.max_num_tokens}")
         _check(self.max_queue_size is None or self.max_queue_size >= 0,
                f"max_queue_size must be >= 0, got {self.max_queue_size}")
         _check(self.max_seq_len is None or self.max_seq_len > 0, f"max_seq_len must be > 0, got {self.max_seq_len}")

@@ -68,7 +68,7 @@ def iteration_stats(engine, batch, latency_ms: float) -> IterationStats:
         num_completed_requests=engine.num_completed_requests,
         max_num_active_requests=config.max_batch_size,
         max_batch_size_static=config.max_batch_size,
-        max_num_tokens_static=config.max_num_tokens,
+        max_num_tokens_static=engine.max_num_tokens,
         kv_cache_stats=KvCacheStats(
             max_num_blocks=bm.num_total_blocks, free_num_blocks=bm.num_free_blocks,
             used_num_blocks=bm.num_used_blocks, tokens_per_block=bm.block_size,

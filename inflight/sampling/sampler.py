@@ -13,6 +13,12 @@ Processing order for each row (all rows processed together as [S, vocab] tensors
   5. greedy rows: argmax; random rows: / temperature, top-k, top-p, then one draw from the
      row's own generator (exponential race), so a row's token never depends on its neighbours.
 
+A row whose logits hold NaN or +inf (extreme penalties overflow fp32), or whose every token is
+banned (-inf), has no distribution to sample from: it gets the token id `INVALID_TOKEN` instead
+of an arbitrary one, and the engine fails that request alone (TensorRT-LLM would emit garbage).
+The flag rides in the sampled ids, so it costs no extra transfer. A user logits hook that
+raises marks its row the same way (`apply_logits_hooks`).
+
 The host builds index lists from the rows' token ids (and the guided rows' token masks);
 the device work has no host syncs.
 `sample_on_device` leaves the sampled ids (and log probs) on the device in a `DeviceSample`,
@@ -32,6 +38,8 @@ from inflight.platform import to_device
 from inflight.sampling.token_mask import Guide, build_token_mask
 
 _GREEDY_TEMPERATURE = 1e-5
+# Sampled id of a row with nothing to sample from (NaN or +inf logits, every token banned).
+INVALID_TOKEN = -1
 
 
 @dataclass
@@ -103,13 +111,37 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # INVALID_TOKEN for a row with nothing to sample from
     log_probs: list[float | None]  # None for rows that did not ask for log probs
     # Raw logits (before any processing) of the sampled rows that asked for them, in row
     # order: [G, vocab] float32 on the host; and the prompt positions' logits the step was
     # asked for (the worker's `context_logits` spans, in order): [C, vocab].
     generation_logits: torch.Tensor | None = None
     context_logits: torch.Tensor | None = None
+    # Row -> why its logits hook failed; such a row's token is INVALID_TOKEN.
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+def apply_logits_hooks(logits: torch.Tensor, hooks, request_ids: list[int],
+                       rows: list[SamplingRow]) -> dict[int, str]:
+    """Runs each row's logits hook in place (`logits[i] = hook(id, tokens, logits[i])`). A hook
+    that raises or returns a tensor of another shape fails its own row only: the row's logits
+    become NaN (so it samples `INVALID_TOKEN`) and its error is returned, by row."""
+    errors: dict[int, str] = {}
+    for i, hook in enumerate(hooks or []):
+        if hook is None:
+            continue
+        try:
+            out = hook(request_ids[i], rows[i].token_ids, logits[i])
+            if not isinstance(out, torch.Tensor) or out.shape != logits[i].shape:
+                raise ValueError(f"returned {type(out).__name__} "
+                                 f"{list(getattr(out, 'shape', []))}, expected a tensor "
+                                 f"{list(logits[i].shape)}")
+            logits[i] = out
+        except Exception as exc:  # a user's processor: fail its request, not the batch
+            errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
+            logits[i] = float("nan")
+    return errors
 
 
 @dataclass
@@ -126,6 +158,7 @@ class DeviceSample:
     wants_log_probs: list[bool]  # per row
     generation_logits: torch.Tensor | None = None  # [G, vocab] float32
     context_logits: torch.Tensor | None = None  # [C, vocab] float32 (on CUDA: pinned host, filling)
+    errors: dict[int, str] = field(default_factory=dict)  # see SamplerOutput
     _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
     _host_logits: tuple = (None, None)  # pinned copies of (generation_logits, context_logits)
     _ready: object = None  # torch.cuda.Event recorded after the copies
@@ -158,11 +191,11 @@ class DeviceSample:
             values = self.token_ids
         if self.log_probs is None:
             return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs),
-                                 generation_logits, context_logits)
+                                 generation_logits, context_logits, self.errors)
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
                              [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
-                             generation_logits, context_logits)
+                             generation_logits, context_logits, self.errors)
 
 
 def _pinned_copy(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,6 +221,14 @@ def _flat_indices(per_row: list[list[int]], vocab_size: int, device: torch.devic
     return _to_device(flat, torch.int64, device)
 
 
+def _flag_invalid(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` with INVALID_TOKEN where a row of (processed) `logits` has a NaN, a +inf or no
+    token above -inf: exactly the rows whose maximum is not finite (amax propagates NaN). One
+    reduction over [S, vocab]; no host sync."""
+    usable = torch.isfinite(logits.amax(dim=-1))  # [S]
+    return torch.where(usable, tokens, torch.full_like(tokens, INVALID_TOKEN))
+
+
 class Sampler:
     """Stateless; `sample` may be called with any mix of greedy and random rows."""
 
@@ -200,11 +241,11 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if all(r.is_plain_greedy for r in rows):  # the common case, checked in one pass
-            return DeviceSample(logits.argmax(dim=-1), None, [False] * len(rows))
+            return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, [False] * len(rows))
         wants = [r.return_log_probs for r in rows]
         want_log_probs = any(wants)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
-            return DeviceSample(logits.argmax(dim=-1), None, wants)
+            return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, wants)
 
         logits = self.process_logits(logits, rows)  # [S, vocab]
         if all(r.is_greedy for r in rows):
@@ -212,13 +253,14 @@ class Sampler:
         else:
             greedy = _to_device([r.is_greedy for r in rows], torch.bool, logits.device)  # [S]
             tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample_random(logits, rows))
+        tokens = _flag_invalid(logits, tokens)
 
         if not want_log_probs:
             return DeviceSample(tokens, None, wants)
         temperature = _to_device([1.0 if r.is_greedy else r.temperature for r in rows],
                                  torch.float32, logits.device).unsqueeze(1)  # [S, 1]
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
-        chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
+        chosen = log_probs.gather(1, tokens.clamp_min(0).unsqueeze(1)).squeeze(1)  # [S]
         return DeviceSample(tokens, chosen, wants)
 
     @staticmethod

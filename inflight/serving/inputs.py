@@ -103,6 +103,8 @@ def sampling_config(inputs, index: int) -> SamplingConfig:
         return scalar(inputs, _FIELD_INPUTS.get(field, field), index, cast)
 
     top_p = get("top_p", float)
+    if top_p is not None and not math.isfinite(top_p):  # before "<= 0 means not set" takes -inf
+        raise RequestError(f"{input_label('runtime_top_p')} must be a finite number, got {top_p}")
     decay = get("top_p_decay", float)
     if decay is not None and decay != 1.0 and math.isfinite(decay) and 0 < decay < 1:
         # A real change of the sampling, which our sampler does not make: refused, not ignored.

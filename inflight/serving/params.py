@@ -88,7 +88,8 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
     return ExecutorConfig(
         max_beam_width=get_int(params, "max_beam_width", 1),
         max_batch_size=get_int(params, "max_num_sequences", ExecutorConfig.max_batch_size),
-        max_num_tokens=get_int(params, "max_num_tokens", ExecutorConfig.max_num_tokens),
+        max_num_tokens=None if params.get("max_num_tokens", "auto").lower() == "auto"
+        else get_int(params, "max_num_tokens", None),
         scheduler_config=SchedulerConfig(policy),
         kv_cache_config=kv,
         enable_chunked_context=get_bool(params, "enable_chunked_context", False),

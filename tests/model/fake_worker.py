@@ -16,7 +16,7 @@ import torch
 from inflight.core.outputs import SchedulerOutput
 from inflight.executor.config import ExecutorConfig
 from inflight.model.config import ModelConfig
-from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
 
 VOCAB = 512
 EOS = 2
@@ -69,9 +69,8 @@ class FakeWorker:
             return SamplerOutput(token_ids=[], log_probs=[], context_logits=prompt_logits)
         logits = torch.stack(sampled)  # [num_sampled, vocab]
         kept = logits[generation_logits].clone() if generation_logits else None
-        for i, hook in enumerate(hooks or []):
-            if hook is not None:
-                logits[i] = hook(request_ids[i], rows[i].token_ids, logits[i])
+        errors = apply_logits_hooks(logits, hooks, request_ids, rows)
         out = self.sampler.sample(logits, rows)
+        out.errors = errors
         out.generation_logits, out.context_logits = kept, prompt_logits
         return out

@@ -168,14 +168,14 @@ def test_real_worker_with_a_tiny_checkpoint(tiny_dir):
 
 
 def test_a_token_the_grammar_refuses_fails_that_request_only(engine):
-    """An embedding bias of -inf on every digit leaves the regex no finite logit: whatever is
-    sampled, the matcher refuses it and the request fails with that reason."""
+    """An embedding bias of -inf on every digit leaves the regex no finite logit: the sampler
+    flags the row (nothing to sample from) and the request fails alone, naming its grammar."""
     bias = torch.zeros(VOCAB)
     bias[[char_vocab(VOCAB).index(c) for c in "0123456789"] + [char_vocab(VOCAB).index("12")]] = float("-inf")
     bad = gen_request(PROMPT, 8, end_id=EOS, embedding_bias=bias, guided_decoding_params=guide("regex"))
     good = gen_request(PROMPT, MAX_TOKENS, end_id=EOS, guided_decoding_params=guide("regex"))
     failed, ok = run(engine, [bad, good])
-    assert "does not follow the request's grammar" in final(failed).error_msg
+    assert "cannot follow the request's grammar" in final(failed).error_msg
     assert re.fullmatch(GUIDES["regex"], detokenize(output_tokens(ok), VOCAB))
 
 

@@ -158,3 +158,7 @@ def test_embedding_bias_edge_cases(tt):
         tt.embedding_bias(["a", "b"], [1.0])
     # A word that encodes to nothing contributes nothing.
     assert not tt.embedding_bias([""], [3.0]).any()
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InputError, match="embedding_bias_weights must be finite"):
+            tt.embedding_bias(["Hello"], [bad])
+    assert tt.embedding_bias(["Hello"], [float("-inf")]).min() == float("-inf")  # a ban

@@ -162,6 +162,27 @@ def test_chunked_context_splits_long_prompt():
     assert sum(o.rows[0].num_new_tokens for o in outs[:4]) == 26
 
 
+def test_long_prompt_chunks_never_delay_decodes():
+    """A prompt being prefilled in chunks takes only what the decodes leave: every step gives
+    each generating sequence its token, whatever the admission order."""
+    sched = make_scheduler(max_num_tokens=8, chunked=True)
+    streams = [make_seq(2, max_new_tokens=16) for _ in range(3)]
+    for seq in streams:
+        sched.add(seq)
+    step(sched)
+    long_prompt = make_seq(40, max_new_tokens=1)
+    sched.add(long_prompt)
+    step(sched)  # admitted with a first chunk
+    # Ahead of the streams in `running` (as if admitted first, or after their preemption).
+    sched.running.sort(key=lambda s: s is not long_prompt)
+    while long_prompt.num_uncomputed_tokens > 0 and long_prompt.status is not SequenceStatus.FINISHED:
+        out = step(sched)
+        rows = {r.seq: r.num_new_tokens for r in out.rows}
+        assert all(rows.get(seq) == 1 for seq in streams), rows  # decodes first, one each
+        assert rows.get(long_prompt, 0) <= 8 - len(streams)  # the chunk gets what is left
+    simulate(sched, [])
+
+
 def test_chunked_context_shares_budget_with_decodes():
     sched = make_scheduler(max_num_tokens=8, chunked=True)
     a, b = make_seq(3, max_new_tokens=6), make_seq(20, max_new_tokens=2)

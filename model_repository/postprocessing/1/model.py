@@ -93,6 +93,9 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"acknowledging chunks failed: {exc}")
                 time.sleep(1.0)
 
+    def finalize(self):
+        lifeline.skip_teardown_at_exit()
+
     def _relay_cancellation(self, request):
         key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
         if key is None:

@@ -56,7 +56,14 @@ class TritonPythonModel:
             except InputError as exc:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as exc:  # one odd request must not fail the rest of the batch
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"preprocessing could not read this request: {type(exc).__name__}: {exc}",
+                    pb_utils.TritonError.INVALID_ARG)))
         return responses
+
+    def finalize(self):
+        lifeline.skip_teardown_at_exit()
 
     def _input(self, request, name):
         return pb_utils.get_input_tensor_by_name(request, PREPROCESSING.input(name).name)

@@ -1,0 +1,299 @@
+"""Reliability figures of a real server, in one run (`make reliability`).
+
+    python tools/reliability.py [--model DIR] [--skip-crashers]
+
+Starts its own tritonserver (the default model behind the ensemble) and prints:
+1. malformed requests: each of the `tools/reliability_cases.py` cases is sent while 4 good
+   greedy streams run; per case the outcome is `clear` (an error naming the input or rule),
+   `vague` (an error that does not), `accepted` (no error), `hang` (no end within 15 s) or
+   `crash` (the server stopped answering). The good streams must end with exactly the text they
+   give alone;
+2. cancellations: streams cancelled mid-way over gRPC, then the KV blocks and requests left;
+3. KV exhaustion: 8 prompts of ~870 tokens that together exceed the 1,456-token KV cache
+   (one fits at a time), and one of ~1,740 that never fits;
+   fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
+   its logits) next to good streams;
+4. drain: the launcher's drain with streams in flight, and how long it took;
+5. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON, a
+   huge claimed shape); whether the server survived them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+from reliability_cases import CASES, Case  # noqa: E402
+from tests.e2e.server import collect, launch_triton_server, running_server  # noqa: E402
+
+GOOD = {"text_input": "Write a short poem about the sea.", "max_tokens": 48, "stream": True,
+        "apply_chat_template": True, "exclude_input_in_output": True}
+CASE_TIMEOUT_S = 15.0
+
+
+def send_case(server, case: Case) -> tuple[str, str]:
+    """(outcome, message) for one malformed request."""
+    try:
+        if case.protocol == "http":
+            message = _http_error(server, case)
+        else:
+            result = _grpc(server, case)
+            message = result.error
+    except TimeoutError:
+        return ("crash" if launch_triton_server.health("127.0.0.1", server.http_port) is None
+                else "hang"), ""
+    if launch_triton_server.health("127.0.0.1", server.http_port) is None:
+        return "crash", message or ""
+    if message is None:
+        return "accepted", ""
+    return ("clear" if any(k.lower() in message.lower() for k in case.expect) else "vague"), message
+
+
+def _grpc(server, case: Case):
+    import queue
+
+    client, results = server.open_stream()
+    try:
+        server.send(client, case.values, case.model)
+        try:
+            return collect(results, CASE_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError from None
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _http_error(server, case: Case) -> str | None:
+    body = case.raw if case.raw is not None else json.dumps(case.values).encode()
+    path = f"/v2/models/{case.model}/{case.http_path}"
+    request = urllib.request.Request(server.http_url + path, data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=CASE_TIMEOUT_S) as reply:
+            text = reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read().decode(errors='replace')}"
+    except (TimeoutError, urllib.error.URLError) as exc:
+        if "timed out" in str(exc) or isinstance(exc, TimeoutError):
+            raise TimeoutError from None
+        return None if launch_triton_server.health("127.0.0.1", server.http_port) else str(exc)
+    errors = [line for line in text.splitlines() if '"error"' in line]
+    return errors[0] if errors else None
+
+
+def good_streams(server, reference: str, stop: threading.Event) -> list[str]:
+    """Runs 4 good streams back to back until `stop`; returns one line per wrong or failed one."""
+    problems, count = [], Counter()
+
+    def loop(index):
+        while not stop.is_set():
+            result = server.stream(GOOD, timeout_s=300)
+            count["done"] += 1
+            if result.error or result.text != reference:
+                problems.append(f"stream {index}: error={result.error} text={result.text[:60]!r}")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(loop, range(4)))
+    problems.append(f"{count['done']} good streams finished")
+    return problems
+
+
+def run_cases(server) -> dict:
+    reference = server.stream(GOOD).text
+    stop = threading.Event()
+    outcomes = []
+    with ThreadPoolExecutor(1) as pool:
+        streams = pool.submit(good_streams, server, reference, stop)
+        for case in CASES:
+            outcome, message = send_case(server, case)
+            outcomes.append((case, outcome, message))
+            if outcome == "crash":
+                break
+        stop.set()
+        stream_report = streams.result()
+    return {"outcomes": outcomes, "streams": stream_report}
+
+
+def run_cancels(server, num_streams: int = 16) -> dict:
+    def one(index):
+        client, results = server.open_stream()
+        server.send(client, {"text_input": f"Tell me a long story about {index}.", "max_tokens": 400,
+                             "stream": True})
+        results.get(timeout=120)  # it is generating
+        time.sleep(0.05 * (index % 5))
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(num_streams)))
+    metrics = server.wait_idle(timeout_s=30)
+    kv = "nv_trt_llm_kv_cache_block_metrics"
+    return {"cancelled": num_streams,
+            "leaked_blocks": int(metrics[(kv, "max")] - metrics[(kv, "free")]),
+            "active_after": int(metrics[("nv_trt_llm_request_metrics", "active")])}
+
+
+def run_fault_isolation(server) -> dict:
+    reference = server.stream(GOOD).text
+    nan_request = {"text_input": "Hello there, how are you?", "max_tokens": 16, "stream": True,
+                   "repetition_penalty": 1e-45, "top_p": 0.9, "temperature": 1.0}
+    with ThreadPoolExecutor(3) as pool:
+        goods = [pool.submit(server.stream, GOOD) for _ in range(2)]
+        bad = pool.submit(server.stream, nan_request).result()
+        good_ok = sum(f.result().error is None and f.result().text == reference for f in goods)
+    return {"faulty_failed_alone": bad.error is not None, "faulty_error": bad.error,
+            "good_streams_right": f"{good_ok}/2"}
+
+
+KV_CACHE_BYTES = 64 << 20  # the suite's server: 1,456 tokens of SmolLM2-135M's KV cache
+
+
+def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 300) -> dict:
+    """A batch of long prompts that together exceed the KV cache (each fits alone) next to one
+    good stream, and one prompt that can never fit. All must end; how long the batch took."""
+    long_text = " ".join(f"word{i % 97}" for i in range(prompt_words))
+    values = {"text_input": long_text, "max_tokens": 8, "exclude_input_in_output": True}
+    start = time.monotonic()
+    with ThreadPoolExecutor(num_prompts + 1) as pool:
+        good = pool.submit(server.stream, GOOD)
+        batch = [pool.submit(server.stream, {**values, "text_input": f"{i} {long_text}"}, "ensemble",
+                             "", 900)  # queued one after another on a busy CPU: not a stall
+                 for i in range(num_prompts)]
+        too_long = {**values, "text_input": " ".join([long_text] * 2)}  # ~1,740 tokens
+        refused_start = time.monotonic()
+        refused = server.stream(too_long, timeout_s=60)
+        refused_s = time.monotonic() - refused_start
+        results = [f.result() for f in batch]
+        batch_s = time.monotonic() - start
+        good_result = good.result()
+    return {"batch": num_prompts, "finished": sum(r.error is None for r in results),
+            "batch_s": round(batch_s, 1), "good_stream_ok": good_result.error is None,
+            "never_fits_error": (refused.error or "ACCEPTED")[:120],
+            "never_fits_s": round(refused_s, 2)}
+
+
+def run_crashers(server) -> list[tuple[str, str]]:
+    """Issue 13's Triton-level crashers, last: each may take the server down."""
+    deep = b"{\"text_input\": " + b"[" * 50000 + b"]" * 50000 + b", \"max_tokens\": 4}"
+    huge = json.dumps({"inputs": [
+        {"name": "QUERY", "shape": [1, 1099511627776], "datatype": "BYTES", "data": ["x"]},
+        {"name": "REQUEST_OUTPUT_LEN", "shape": [1, 1], "datatype": "INT32", "data": [4]}]}).encode()
+    results = []
+    for name, path, body in (("nested JSON, 50,000 levels", "/v2/models/tensorrt_llm_bls/generate", deep),
+                             ("shape [1, 2^40]", "/v2/models/preprocessing/infer", huge)):
+        request = urllib.request.Request(server.http_url + path, data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                answer = f"HTTP {reply.status}"
+        except urllib.error.HTTPError as exc:
+            answer = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:100]}"
+        except Exception as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        time.sleep(2)
+        alive = launch_triton_server.health("127.0.0.1", server.http_port) is not None
+        results.append((name, f"{'server lives' if alive else 'SERVER DIED'} ({answer})"))
+        if not alive:
+            break
+    return results
+
+
+def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, drain: dict, crashers) -> None:
+    if "outcomes" in cases:
+        outcomes = cases["outcomes"]
+        counts = Counter(o for _, o, _ in outcomes)
+        by_protocol = Counter(c.protocol for c, _, _ in outcomes)
+        print(f"\nmalformed requests: {len(outcomes)} tried ({by_protocol['http']} HTTP, "
+              f"{by_protocol['grpc']} gRPC): {counts['clear']} clear errors, {counts['vague']} vague, "
+              f"{counts['accepted']} accepted, {counts['hang']} hangs, {counts['crash']} crashes")
+        for case, outcome, message in outcomes:
+            if outcome != "clear":
+                print(f"  {outcome:8} {case.protocol:4} {case.name}: {message[:150]}")
+        print("good streams meanwhile: " + "; ".join(cases["streams"]))
+    else:
+        print(f"\nmalformed requests: {cases}")
+    print(f"cancellations: {cancels}")
+    print(f"fault isolation: {faults}")
+    print(f"KV exhaustion: {kv}")
+    print(f"drain: {drain}")
+    for name, result in crashers if isinstance(crashers, list) else []:
+        print(f"crasher {name}: {result}")
+    if crashers is not None and not isinstance(crashers, list):
+        print(f"crashers: {crashers}")
+
+
+def _phase(name: str, function, *args):
+    """Runs one phase; an exception is a figure too (printed), not the end of the run."""
+    start = time.monotonic()
+    try:
+        result = function(*args)
+    except Exception as exc:
+        result = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+    print(f"[{name} done in {time.monotonic() - start:.0f} s]", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--work-dir", default=str(REPO_ROOT / ".cache" / "reliability"))
+    parser.add_argument("--skip-crashers", action="store_true")
+    args = parser.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    with running_server(Path(args.model), work, kv_cache_cpu_mem_bytes=KV_CACHE_BYTES) as server:
+        print("server ready; sending malformed requests", flush=True)
+        cases = _phase("malformed requests", run_cases, server)
+        cancels = _phase("cancellations", run_cancels, server)
+        faults = _phase("fault isolation", run_fault_isolation, server)
+        kv = _phase("KV exhaustion", run_kv_exhaustion, server)
+        drain = _phase("drain", run_drain, server)
+        # Last: they may take the server down. The drain unloaded the ensemble, so they go to
+        # tensorrt_llm_bls and preprocessing, which stay loaded.
+        crashers = None if args.skip_crashers else _phase("crashers", run_crashers, server)
+    print_report(cases, cancels, faults, kv, drain, crashers)
+    return 0
+
+
+def run_drain(server) -> dict:
+    """Streams in flight, then the launcher's drain (as on SIGTERM) with a 3 s grace period."""
+    import types
+
+    launched = types.SimpleNamespace(auth=launch_triton_server_auth(server))
+    args = types.SimpleNamespace(host="127.0.0.1", grpc_port=server.grpc_port, exit_timeout=3.0,
+                                 tensorrt_llm_model_name="tensorrt_llm")
+    short = {**GOOD, "max_tokens": 8}
+    longs = {**GOOD, "max_tokens": 1000, "min_tokens": 1000}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(server.stream, v) for v in (short, short, longs, longs)]
+        time.sleep(3)
+        start = time.monotonic()
+        ok = launch_triton_server.drain(launched, args, threading.Event())
+        seconds = time.monotonic() - start
+        results = [f.result() for f in futures]
+    return {"drained": ok, "drain_s": round(seconds, 2), "grace_s": 3.0,
+            "finished": sum(r.error is None for r in results),
+            "ended_with_shutdown_error": sum("shutting down" in (r.error or "") for r in results)}
+
+
+def launch_triton_server_auth(server):
+    from ensemble.control import ControlAuth
+
+    return ControlAuth(server.control_secret)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

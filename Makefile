@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
-	test-numerics bench bench-openai reliability gpu-smoke nvidia-clients clean
+	test-numerics bench bench-serving bench-openai reliability gpu-smoke nvidia-clients clean
 
 setup: $(VENV)/.installed
 
@@ -88,6 +88,12 @@ bench: model
 	$(PY) tools/bench_engine.py --model $(MODEL)
 
 # The OpenAI frontend's overhead: the same load through it and straight to Triton, one run.
+# Streaming through Triton vs the engine in process (tools/bench_serving.py; perf_analyzer).
+# Extra flags: BENCH_SERVING_ARGS="--concurrency 8 --rounds 2"
+BENCH_SERVING_ARGS ?=
+bench-serving: model
+	$(PY) tools/bench_serving.py --model $(MODEL) $(BENCH_SERVING_ARGS)
+
 bench-openai: model
 	$(PY) tools/bench_openai.py --model $(MODEL)
 

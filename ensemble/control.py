@@ -6,6 +6,13 @@ client's stop by their request id:
 - **cancel relay** (postprocessing → tensorrt_llm): the detokenizer saw a cancelled chunk and
   asks the engine to stop the request that chunk came from, named by the chunk's
   `request_key`. Id: `inflight-cancel-key:<key>:<mac>`.
+- **ack** (postprocessing → tensorrt_llm): how many chunks of each stream the detokenizer has
+  decoded, and since when it has been idle; how the engine model learns that Triton dropped a
+  cancelled stream's chunks (see inflight/serving/delivery.py).
+  Id: `inflight-ack:<d|k>:<drained_before_us or ->:<key>.<count>,...:<mac>`; `d`: the
+  detokenizer may never see a cancelled chunk (dynamic batching), so missing ones mean dropped;
+  `k`: it sees every chunk, and relays cancellations itself. Only its MAC keeps a
+  client from forging one; with no secret set, acks are refused.
 - **drain** (launcher → tensorrt_llm): the server is shutting down; refuse new requests, let
   the ones in flight finish for `grace_ms`, then end the rest.
   Id: `inflight-drain:<grace_ms>:<issued_ms>:<mac>`; valid for `DRAIN_ID_TTL_S` after it was
@@ -34,6 +41,7 @@ from ensemble.io_contract import CANCEL_KEY_PREFIX
 
 SECRET_ENV_VAR = "INFLIGHT_CONTROL_SECRET"
 DRAIN_PREFIX = "inflight-drain:"
+ACK_PREFIX = "inflight-ack:"
 DRAIN_ID_TTL_S = 60
 _MAC_HEX_CHARS = 32  # 128 bits of HMAC-SHA256
 
@@ -86,6 +94,30 @@ class ControlAuth:
             return int(key) if not mac else None
         return int(key) if self._verify(f"cancel:{key}", mac) else None
 
+    # ----- acknowledgements ----------------------------------------------------------------
+
+    def ack_id(self, counts: dict[int, int], drained_before_s: float | None, may_drop: bool) -> str:
+        if self.secret is None:
+            raise ValueError(f"an acknowledgement needs {SECRET_ENV_VAR}")
+        drained = "-" if drained_before_s is None else str(round(drained_before_s * 1e6))
+        body = f"{'d' if may_drop else 'k'}:{drained}:" + ",".join(f"{k}.{n}" for k, n in counts.items())
+        return f"{ACK_PREFIX}{body}:{self._mac(f'ack:{body}')}"
+
+    def parse_ack_id(self, request_id: str) -> tuple[dict[int, int], float | None, bool] | None:
+        """(key → count, drained_before_s, may_drop) of a genuine acknowledgement; None otherwise."""
+        if not request_id.startswith(ACK_PREFIX):
+            return None
+        body, _, mac = request_id[len(ACK_PREFIX):].rpartition(":")
+        if not self._verify(f"ack:{body}", mac):
+            return None
+        mode, _, rest = body.partition(":")
+        drained, _, pairs = rest.partition(":")
+        try:
+            counts = {int(k): int(n) for k, _, n in (p.partition(".") for p in pairs.split(",") if p)}
+            return counts, None if drained == "-" else int(drained) / 1e6, mode == "d"
+        except ValueError:
+            return None
+
     # ----- drain ---------------------------------------------------------------------------
 
     def drain_id(self, grace_s: float, now_s: float | None = None) -> str:
@@ -110,4 +142,4 @@ class ControlAuth:
 
 def is_control_id(request_id: str) -> bool:
     """Ids in our control namespace never match a client's stop by request id."""
-    return request_id.startswith((CANCEL_KEY_PREFIX, DRAIN_PREFIX))
+    return request_id.startswith((CANCEL_KEY_PREFIX, DRAIN_PREFIX, ACK_PREFIX))

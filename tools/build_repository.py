@@ -40,6 +40,8 @@ DEFAULTS = {
     "skip_special_tokens": "true",
     "trust_remote_code": "false",
     "executor_backend": "builtin",
+    # The engine in a process of its own, off the python stub's interpreter lock (builtin only).
+    "engine_process": "true",
     "batching_strategy": "inflight_fused_batching",
     # Beam search costs nothing until a request asks for it (its blocks and rows are reserved
     # then), so `make serve` takes NVIDIA's clients' `--beam-width 2` as it is.

@@ -4,7 +4,7 @@
 
 `step:T` makes every engine step that schedules a prompt containing token T raise, so the
 requests of that step fail and the engine carries on; `fatal:T` raises `EngineFatalError`, after
-which the executor stops for good and the model unloads itself. Never set it in production.
+which the engine stops for good and the model unloads itself. Never set it in production.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from inflight.engine import EngineFatalError
 ENV_VAR = "INFLIGHT_TEST_FAULT"
 
 
-def install_test_hook(executor, spec: str | None) -> None:
+def install_test_hook(engine, spec: str | None) -> None:
+    """Arm `spec` on an `LLMEngine` (the engine process's, or an in-process executor's)."""
     if not spec:
         return
     triggers: dict[str, set[int]] = {"step": set(), "fatal": set()}
@@ -32,4 +33,4 @@ def install_test_hook(executor, spec: str | None) -> None:
         if prompt_ids & triggers["step"]:
             raise RuntimeError("injected step fault")
 
-    executor.engine.fault_hook = hook
+    engine.fault_hook = hook

@@ -7,6 +7,9 @@ Triton-free: `gauge_values` returns {(family, label value): number}; the model f
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+from pathlib import Path
 
 from inflight.executor.stats import IterationStats
 
@@ -59,3 +62,66 @@ def gauge_values(stats: IterationStats) -> dict[tuple[str, str], float]:
         ("nv_trt_llm_general_metrics", "iteration_counter"): stats.iter,
         ("nv_trt_llm_general_metrics", "timestamp"): _epoch_seconds(stats.timestamp),
     }
+
+
+def process_memory_bytes() -> tuple[int, int]:
+    """(resident set size of this process, device memory torch holds for it) in bytes: what
+    `nv_trt_llm_runtime_memory_metrics` reports as cpu and gpu. The device figure is torch's
+    reserved pool (weights, KV cache, CUDA graph pools, cached blocks), what the process takes
+    from the GPU, not only the tensors alive at this instant."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        rss = resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = 0
+    gpu = 0
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        gpu = int(torch.cuda.memory_reserved())
+    return rss, gpu
+
+
+class TritonMetrics:
+    """The metric families of one engine model instance, made with `pb_utils` (passed in, so
+    this module imports no Triton)."""
+
+    def __init__(self, pb_utils, model_name: str, model_version, log_warn):
+        self.labels = {"model": model_name, "version": str(model_version)}
+        self.gauges, self.histograms, self.families, self.metrics = {}, {}, [], {}
+        try:
+            for name, (label_key, description) in GAUGE_FAMILIES.items():
+                family = pb_utils.MetricFamily(name=name, description=description,
+                                               kind=pb_utils.MetricFamily.GAUGE)
+                self.families.append(family)
+                self.gauges[name] = (family, label_key)
+            for name, (label_key, label, description) in HISTOGRAM_FAMILIES.items():
+                family = pb_utils.MetricFamily(name=name, description=description,
+                                               kind=pb_utils.MetricFamily.HISTOGRAM)
+                self.families.append(family)
+                self.histograms[name] = family.Metric(labels={**self.labels, label_key: label},
+                                                      buckets=TOKEN_LEN_BUCKETS)
+        except Exception as exc:  # the server runs with --allow-metrics=false
+            log_warn(f"metrics disabled: {exc}")
+            self.gauges, self.histograms = {}, {}
+
+    def observe(self, result) -> None:
+        """Token lengths of one finished request."""
+        if self.histograms:
+            self.histograms["nv_llm_input_token_len"].observe(result.num_input_tokens)
+            self.histograms["nv_llm_output_token_len"].observe(result.num_output_tokens)
+
+    def publish(self, stats: IterationStats | None) -> None:
+        if not self.gauges or stats is None:
+            return
+        for (family_name, label), value in gauge_values(stats).items():
+            key = (family_name, label)
+            if key not in self.metrics:
+                family, label_key = self.gauges[family_name]
+                self.metrics[key] = family.Metric(labels={**self.labels, label_key: label})
+            self.metrics[key].set(value)
+
+    def close(self) -> None:
+        # Metrics must go before their families.
+        self.metrics.clear()
+        self.histograms.clear()
+        self.families.clear()

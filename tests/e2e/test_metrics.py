@@ -19,7 +19,7 @@ def _histogram_counts(server) -> dict[str, float]:
             for m in re.finditer(r"^(nv_llm_(?:input|output)_token_len)_count\{[^}]*\} (\S+)", text, re.M)}
 
 
-def test_concurrent_streams_share_steps_and_metrics_follow_the_load(server):
+def test_concurrent_streams_share_steps_and_metrics_follow_the_load(server, smollm2_dir):
     idle = server.wait_idle()
     counts_before = _histogram_counts(server)
     prompts = [f"Tell me a short fact about the number {i}." for i in range(8)]
@@ -56,6 +56,11 @@ def test_concurrent_streams_share_steps_and_metrics_follow_the_load(server):
     assert after[("nv_trt_llm_kv_cache_block_metrics", "free")] == \
         after[("nv_trt_llm_kv_cache_block_metrics", "max")]
     assert after[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] == 0
+    # Real bytes: the engine process holds the weights, which every step reads, so its resident
+    # set is at least half the checkpoint (half: a loader may keep a compact form); no CUDA here.
+    weights_bytes = sum(f.stat().st_size for f in smollm2_dir.glob("*.safetensors"))
+    assert after[("nv_trt_llm_runtime_memory_metrics", "cpu")] >= weights_bytes / 2
+    assert after[("nv_trt_llm_runtime_memory_metrics", "gpu")] == 0
     counts_after = _histogram_counts(server)
     for name in ("nv_llm_input_token_len", "nv_llm_output_token_len"):
         assert counts_after[name] == counts_before.get(name, 0) + len(prompts)

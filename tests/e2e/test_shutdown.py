@@ -7,6 +7,7 @@ and leaves no process and no port behind. SIGKILL takes the server down with the
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -202,5 +205,52 @@ def test_sigkill_of_the_launcher_takes_its_server_down(repository, tmp_path):
                            and not list(Path("/dev/shm").glob(regions)), timeout_s=30), _group(pid)
         stream.join(timeout=60)
         assert stream.error is not None
+    finally:
+        launcher.stop()
+
+
+def _model_ready(server: Server, model: str) -> int:
+    try:
+        return urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/ready", timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _engine_processes(session_id: int) -> list[int]:
+    """The engine processes (inflight.serving.engine_process) that tritonserver's stubs started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and b"inflight.serving.engine_process" in _cmdline(proc):
+            try:
+                if os.getsid(int(proc.name)) == session_id:
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_sigkill_of_the_engine_process_fails_streams_and_unready_models(repository, tmp_path):
+    """A dead engine is reported, not hung on: streams in flight end with an error within
+    seconds, tensorrt_llm and the ensemble stop reporting ready, new requests fail at once."""
+    launcher = Launcher(repository, tmp_path)
+    try:
+        pid = launcher.wait_ready()
+        server = launcher.server
+        streams = [Stream(server, LONG) for _ in range(2)]
+        for stream in streams:
+            assert stream.first.wait(120)
+        [engine] = _engine_processes(pid)
+        os.kill(engine, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for stream in streams:
+            stream.join(timeout=60)
+            assert stream.error is not None and "the engine stopped" in stream.error, stream.error
+            # 5 s: the stub notices within one 50 ms poll; far below a hung stream's 300 s.
+            assert stream.ended_at - killed_at < 5
+        assert _eventually(lambda: _model_ready(server, "tensorrt_llm") != 200
+                           and _model_ready(server, "ensemble") != 200, timeout_s=10)
+        started = time.monotonic()
+        refused = server.stream({"text_input": "Hello", "max_tokens": 4, "stream": True}, timeout_s=60)
+        assert refused.error is not None and time.monotonic() - started < 10
     finally:
         launcher.stop()

@@ -18,7 +18,9 @@ TORCH_FREE = [
     "inflight.core.outputs", "inflight.core.beam_search", "inflight.executor.types", "inflight.executor.config",
     "inflight.executor.stats", "inflight.executor.features", "inflight.serving.convert",
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
-    "inflight.serving.backend", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
+    "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",
+    "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
+    "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
     "ensemble.errors", "preprocessing", "postprocessing",
 ]
 HEAVY = ["torch", "transformers", "tokenizers", "safetensors", "tritonclient"]

@@ -6,22 +6,46 @@ CONTEXT_LENGTH, IS_FINAL) that the engine model sends with each streamed chunk s
 decoded in context without state here. Parameters: tokenizer_dir, skip_special_tokens
 (default true), trust_remote_code (default false).
 
-Cancellation relay: a chunk whose request is cancelled means the client left; this model then
-asks `tensorrt_llm` to stop generating for it, since Triton does not tell the engine, the
-ensemble's running step, itself. The stop names the request by its random key and is signed
-(`ensemble.control`), so no client can send one.
+Dynamic batching: one execute decodes the chunks of every request queued, with one vectorised
+`batch_decode`; a single instance takes its queue in order, so each request's chunks stay in
+order (`preserve_ordering` keeps that on Triton versions that run ensemble callbacks in a pool).
+
+Cancellation: Triton does not tell the engine, the ensemble's running step, that a client left;
+it cancels only the steps created afterwards. Without dynamic batching (the shipped config) a
+cancelled chunk reaches `execute`, and this model relays its cancellation at once. With dynamic
+batching the batcher drops it before `execute`; then `tensorrt_llm` infers the drop from
+acknowledgements. Either way this model acknowledges, every `ACK_PERIOD_S`, the chunks it
+decoded (`postprocessing.acks`): `tensorrt_llm` learns from them how far behind the detokenizer
+is (and, only with dynamic batching, which streams were dropped; `inflight.serving.delivery`).
+Both control requests are signed (`ensemble.control`), so no client can send one.
 """
 
 import collections
 import json
+import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble import lifeline, params
 from ensemble.control import ControlAuth
+from postprocessing.acks import AckLedger
 from postprocessing.detokenizer import Detokenizer
 from preprocessing.loader import load_tokenizer
+
+
+ACK_PERIOD_S = 0.05
+ONE = np.ones((1, 1), dtype=np.int32)
+
+
+def _stop_request(request_id):
+    """NVIDIA's `stop` request to the engine model, carrying one of our control ids."""
+    return pb_utils.InferenceRequest(
+        model_name="tensorrt_llm", requested_output_names=[], request_id=request_id,
+        inputs=[pb_utils.Tensor("input_ids", ONE), pb_utils.Tensor("input_lengths", ONE),
+                pb_utils.Tensor("request_output_len", ONE),
+                pb_utils.Tensor("stop", np.ones((1, 1), dtype=np.bool_))])
 
 
 def _rows(tokens: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
@@ -39,7 +63,8 @@ class TritonPythonModel:
         if count != 1:
             raise pb_utils.TritonModelException(
                 f"postprocessing must run as 1 instance (got {count}): streamed chunks keep their "
-                "order only with one instance and no dynamic batching")
+                "order, and acknowledgements their meaning, only with one instance")
+        self.is_batched = "dynamic_batching" in model_config
         values = params.read_parameters(model_config)
         if "tokenizer_dir" not in values:
             raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")
@@ -48,6 +73,25 @@ class TritonPythonModel:
         self.detokenizer = Detokenizer(tokenizer, params.get_bool(values, "skip_special_tokens", True))
         self.stopped_keys = collections.deque(maxlen=1024)  # relayed already
         self.auth = ControlAuth.from_env()
+        self.ledger = AckLedger()
+        self.stopping = threading.Event()
+        self.acker = None
+        if self.auth.secret is not None:  # unsigned acks would let a client stop others' streams
+            self.acker = threading.Thread(target=self._acknowledge, daemon=True)
+            self.acker.start()
+
+    def _acknowledge(self):
+        while not self.stopping.wait(ACK_PERIOD_S):
+            report = self.ledger.report()
+            if report is None:
+                continue
+            try:
+                ack = self.auth.ack_id(*report, may_drop=self.is_batched)
+                for _ in _stop_request(ack).exec(decoupled=True):
+                    pass
+            except Exception as exc:  # the engine model is gone (unloading); keep decoding
+                pb_utils.Logger.log_warn(f"acknowledging chunks failed: {exc}")
+                time.sleep(1.0)
 
     def finalize(self):
         lifeline.skip_teardown_at_exit()
@@ -60,21 +104,24 @@ class TritonPythonModel:
         if key in self.stopped_keys:
             return
         self.stopped_keys.append(key)
-        one = np.ones((1, 1), dtype=np.int32)
-        stop = pb_utils.InferenceRequest(
-            model_name="tensorrt_llm", requested_output_names=[],
-            request_id=self.auth.cancel_id(key),
-            inputs=[pb_utils.Tensor("input_ids", one), pb_utils.Tensor("input_lengths", one),
-                    pb_utils.Tensor("request_output_len", one),
-                    pb_utils.Tensor("stop", np.ones((1, 1), dtype=np.bool_))])
-        for _ in stop.exec(decoupled=True):
+        for _ in _stop_request(self.auth.cancel_id(key)).exec(decoupled=True):
             pass
 
     def execute(self, requests):
+        self.ledger.begin()
+        chunks = []
+        try:
+            return self._decode(requests, chunks)
+        finally:
+            self.ledger.end(chunks)
+
+    def _decode(self, requests, chunks):
         # Decode the whole dynamic batch in one call; answer each request with its own rows.
         token_rows, context_rows, finals, counts = [], [], [], []
         for request in requests:
-            if request.is_cancelled():
+            # With dynamic batching Triton drops cancelled requests before execute, so asking
+            # (a round trip to the server per request) is only worth it without.
+            if not self.is_batched and request.is_cancelled():
                 self._relay_cancellation(request)
             tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
             lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
@@ -87,6 +134,9 @@ class TritonPythonModel:
                 contexts = [[] for _ in rows]
             final = pb_utils.get_input_tensor_by_name(request, "IS_FINAL")
             is_final = bool(final.as_numpy().reshape(-1)[0]) if final is not None else True
+            key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
+            if key is not None:
+                chunks.append((int(key.as_numpy().reshape(-1)[0]), is_final))
             token_rows += rows
             context_rows += contexts
             finals += [is_final] * len(rows)
@@ -101,3 +151,8 @@ class TritonPythonModel:
             output = np.asarray(chunk, dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", output)]))
         return responses
+
+    def finalize(self):
+        self.stopping.set()
+        if self.acker is not None:
+            self.acker.join(timeout=5)

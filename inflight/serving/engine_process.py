@@ -1,0 +1,220 @@
+"""The engine process: runs `LLMEngine` for one `tensorrt_llm` model instance, off the stub's GIL.
+
+    python -m inflight.serving.engine_process RUN_DIR
+
+The python stub (`inflight.serving.engine_client`) writes `RUN_DIR/engine.json` (model path,
+config.pbtxt parameters, queue size) into a private (0700) directory, binds two ipc sockets
+there and starts this process, which connects to them and answers in `inflight.serving.wire`'s
+messages.
+
+The loop is single-threaded and owns the engine: take every command waiting (without blocking
+while there is work, blocking when idle), step, and send everything that turn produced as one
+message. It uses only the engine's public calls (`add_request`, `cancel`, `step`,
+`has_unfinished`, `refresh_stats`, `last_stats`) and does not assume a step's responses belong
+to the tokens it computed: an overlapped engine answers one step later, which changes nothing
+here.
+
+It dies with its parent: PR_SET_PDEATHSIG (SIGKILL) plus a parent check whenever it is idle, so
+no orphan keeps the model (on a GPU, its memory) after the stub is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from inflight.serving import metrics, wire
+
+logger = logging.getLogger("inflight.engine_process")
+
+IDLE_POLL_MS = 1000  # how long an idle loop waits for a command before checking its parent
+COMMANDS, EVENTS = "commands", "events"
+
+
+def endpoint(run_dir: str | Path, name: str) -> str:
+    return f"ipc://{Path(run_dir) / name}"
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it ends (Linux), and exit now if the
+    parent is already gone."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the idle parent check still applies
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def build_engine(spec: dict):
+    from inflight.engine import LLMEngine
+    from inflight.serving import faults
+    from inflight.serving.params import executor_config
+
+    config = executor_config(spec["parameters"], spec.get("max_queue_size"))
+    make = getattr(LLMEngine, "from_dir", None)  # main's constructor; the engine's own otherwise
+    engine = make(spec["model_path"], config) if make else LLMEngine(spec["model_path"], config)
+    faults.install_test_hook(engine, spec.get("fault_spec"))
+    return engine
+
+
+class EngineLoop:
+    """Drives one engine from the command socket; see the module docstring."""
+
+    def __init__(self, engine, commands: zmq.Socket, events: zmq.Socket, stats_period_s: float,
+                 parent_pid: int):
+        self.engine = engine
+        self.commands = commands
+        self.events = events
+        self.stats_period_s = stats_period_s
+        self.parent_pid = parent_pid
+        self.stub_ids: dict[int, int] = {}  # engine request id -> stub id
+        self.engine_ids: dict[int, int] = {}  # stub id -> engine request id
+        self.last_stats_s = 0.0
+        self.stats_dirty = True  # something changed since the last stats sent
+        self.has_stepped = False  # a step ran since the last idle snapshot
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.commands, zmq.POLLIN)
+        while True:
+            if not self.engine.has_unfinished():
+                self._publish_idle_stats()
+                if not poller.poll(IDLE_POLL_MS):
+                    if os.getppid() != self.parent_pid:
+                        return
+                    continue
+            out: list = []
+            if not self._take_commands(out):
+                return
+            if self.engine.has_unfinished():
+                out.extend(self.engine.step())
+                self.stats_dirty = self.has_stepped = True
+            self._publish(out)
+
+    # ----- commands ------------------------------------------------------------------------
+
+    def _take_commands(self, out: list) -> bool:
+        """Apply every command waiting; False on shutdown."""
+        while True:
+            try:
+                message = wire.unpack(self.commands.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            kind = message[0]
+            if kind == wire.SHUTDOWN:
+                return False
+            if kind == wire.ADD:
+                self._add(message[1])
+            elif kind == wire.CANCEL:
+                for stub_id in message[1]:
+                    self._cancel(stub_id, out)
+            self.stats_dirty = True
+
+    def _add(self, rows: list) -> None:
+        """Admit one Triton request's rows, or none of them (as TensorRT-LLM does)."""
+        from inflight.executor.types import QueueFullError, RequestError
+
+        added: list[int] = []
+        try:
+            for stub_id, data in rows:
+                request = wire.request_from_wire(data)
+                request.client_id = stub_id
+                engine_id = self.engine.add_request(request)
+                added.append(engine_id)
+                self.stub_ids[engine_id], self.engine_ids[stub_id] = stub_id, engine_id
+        except Exception as exc:
+            for engine_id in added:
+                self.engine.cancel(engine_id)
+                self.engine_ids.pop(self.stub_ids.pop(engine_id), None)
+            kind = (wire.QUEUE_FULL if isinstance(exc, QueueFullError)
+                    else wire.INVALID if isinstance(exc, RequestError) else "internal")
+            message = str(exc) if kind != "internal" else f"{type(exc).__name__}: {exc}"
+            self._send([wire.REJECTED, [stub_id for stub_id, _ in rows], kind, message])
+
+    def _cancel(self, stub_id: int, out: list) -> None:
+        engine_id = self.engine_ids.get(stub_id)
+        if engine_id is not None:
+            response = self.engine.cancel(engine_id)
+            if response is not None:
+                out.append(response)
+
+    # ----- events --------------------------------------------------------------------------
+
+    def _publish(self, responses: list) -> None:
+        items = []
+        for response in responses:
+            stub_id = self.stub_ids.get(response.request_id)
+            if stub_id is None:
+                continue
+            if response.has_error() or response.result.is_final:
+                del self.stub_ids[response.request_id]
+                self.engine_ids.pop(stub_id, None)
+            items.append([stub_id, wire.response_to_wire(response)])
+        now = time.monotonic()
+        stats = None
+        if self.stats_dirty and now - self.last_stats_s >= self.stats_period_s:
+            stats = self._stats(now)
+        if items or stats is not None:
+            self._send([wire.STEP, items, stats])
+
+    def _publish_idle_stats(self) -> None:
+        """Idle now: publish a snapshot that shows nothing scheduled (once)."""
+        if self.stats_dirty or self.has_stepped:
+            self.has_stepped = False
+            self.engine.refresh_stats()
+            self._send([wire.STEP, [], self._stats(time.monotonic())])
+
+    def _stats(self, now: float) -> dict:
+        self.last_stats_s = now
+        self.stats_dirty = False
+        stats = wire.stats_to_wire(self.engine.last_stats)
+        stats["cpu_mem_usage"], stats["gpu_mem_usage"] = metrics.process_memory_bytes()
+        return stats
+
+    def _send(self, message: list) -> None:
+        self.events.send(wire.pack(message))
+
+
+def main(argv: list[str]) -> int:
+    run_dir = Path(argv[1])
+    spec = json.loads((run_dir / "engine.json").read_text())
+    die_with_parent(spec["parent_pid"])
+    logging.basicConfig(level=logging.WARNING, format="[inflight engine] %(levelname)s %(message)s")
+    context = zmq.Context(1)
+    commands = context.socket(zmq.PULL)
+    events = context.socket(zmq.PUSH)
+    events.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader; the stub drains
+    events.setsockopt(zmq.LINGER, 5000)
+    commands.connect(endpoint(run_dir, COMMANDS))
+    events.connect(endpoint(run_dir, EVENTS))
+    try:
+        engine = build_engine(spec)
+    except Exception as exc:  # one clear sentence for the model's initialize
+        logger.exception("the engine could not start")
+        events.send(wire.pack([wire.INIT_ERROR, str(exc) or type(exc).__name__]))
+        events.close()
+        return 1
+    events.send(wire.pack([wire.READY, {"pid": os.getpid()}]))
+    loop = EngineLoop(engine, commands, events, spec["stats_period_s"], spec["parent_pid"])
+    try:
+        loop.run()
+    except BaseException as exc:  # the engine cannot continue: say why, then exit
+        logger.exception("the engine loop died")
+        events.send(wire.pack([wire.FATAL, f"the engine stopped: {type(exc).__name__}: {exc}"]))
+        events.close()
+        return 1
+    events.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

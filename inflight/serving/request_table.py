@@ -1,0 +1,339 @@
+"""The engine model's requests in flight and how their responses go out; no Triton import.
+
+`tensorrt_llm/1/model.py` converts tensors and hands each Triton request here with its response
+sender. The table gives every batch row a stub id, submits the rows to the engine
+(`inflight.serving.engine_client`) and sends what comes back through a `Sink` (the adapter's
+`pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`),
+one cancellation poller (`poll_cancelled`) and the adapter's housekeeping (`tick`).
+
+Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
+of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
+sends at most one response per row, all rows of those engine steps together. A stream that
+fell behind gets one response with all its new tokens.
+
+Keep the detokenizer's queue short: each chunk costs one `postprocessing` execute (Triton 2.51
+cannot batch them safely, see its config.pbtxt). When the detokenizer is behind (a chunk has
+waited there longer than `BEHIND_S`, known from its acknowledgements), a stream that still has
+a chunk waiting there keeps its new tokens here, merged, until that chunk is decoded. So the
+number of chunks adapts to what the detokenizer can take, and no token waits for more than one
+turn of its queue. Final responses and errors are never held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ensemble import control
+from inflight.executor.types import FinishReason, Response, Result
+from inflight.serving import convert, drain, wire
+from inflight.serving.delivery import DeliveryTracker
+
+INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+_REJECTION_CODES = {wire.QUEUE_FULL: UNAVAILABLE, wire.INVALID: INVALID_ARG}
+BEHIND_S = 0.15  # > the detokenizer's acknowledgement period (postprocessing/1/model.py)
+HELD_POLL_S = 0.005  # how often held streams are looked at again
+DEAD_MESSAGE = "the engine has stopped and the model is being unloaded; see the server log"
+
+
+class Sink(Protocol):
+    """How responses reach Triton (the adapter implements it with `pb_utils`)."""
+
+    def send_tensors(self, sender, tensors: dict, final: bool) -> None: ...
+    def send_error(self, sender, message: str, code: str, final: bool = True) -> None: ...
+    def send_final(self, sender) -> None: ...
+    def is_cancelled(self, sender) -> bool: ...
+    def warn(self, message: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Pending:
+    """One Triton request in flight."""
+
+    sender: object
+    user_id: str
+    key: int  # random, see ensemble.control
+    rows: dict = field(default_factory=dict)  # stub id -> convert.RowState
+    num_open_rows: int = 0
+    is_client_cancelled: bool = False
+    # Triton frees the response sender once the final flag is sent; touching it afterwards
+    # (even is_cancelled()) crashes the server. `lock` orders sends and checks; `is_done` is
+    # set, under it, before the final send.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    is_done: bool = False
+
+
+def _mergeable(a: Result, b: Result) -> bool:
+    """Plain token chunks of the same sequence; logits and perf metrics go as they came."""
+    return (a.sequence_index == b.sequence_index and not a.is_sequence_final
+            and len(a.output_token_ids) == 1 and len(b.output_token_ids) == 1
+            and all(x is None for r in (a, b) for x in (r.context_logits, r.generation_logits,
+                                                        r.request_perf_metrics)))
+
+
+def merge(responses: list[Response]) -> list[Response]:
+    """Consecutive successful chunks of one row as one response; errors stay apart."""
+    out: list[Response] = []
+    for response in responses:
+        last = out[-1] if out else None
+        if (last is None or last.has_error() or response.has_error()
+                or not _mergeable(last.result, response.result)):
+            out.append(response)
+            continue
+        a, b = last.result, response.result
+        log_probs = None if a.log_probs is None else [a.log_probs[0] + (b.log_probs or [[]])[0]]
+        out[-1] = Response(last.request_id, client_id=last.client_id, result=Result(
+            is_final=b.is_final, output_token_ids=[a.output_token_ids[0] + b.output_token_ids[0]],
+            sequence_index=b.sequence_index,
+            cum_log_probs=b.cum_log_probs, log_probs=log_probs, finish_reasons=b.finish_reasons,
+            is_sequence_final=b.is_sequence_final, num_input_tokens=b.num_input_tokens,
+            num_output_tokens=b.num_output_tokens))
+    return out
+
+
+class RequestTable:
+    def __init__(self, engine, sink: Sink, on_final=None):
+        self.engine = engine
+        self.sink = sink
+        self.on_final = on_final or (lambda result: None)  # token-length histograms
+        self.lock = threading.Lock()
+        self.by_stub_id: dict[int, Pending] = {}
+        self.by_user_id: dict[str, set] = {}
+        self.by_key: dict[int, Pending] = {}
+        self.stub_ids = itertools.count(1)
+        self.delivery = DeliveryTracker()
+        self.drain = drain.Drain()
+        self.dead_message: str | None = None
+        self.latest_stats = None
+        self.held: dict[int, list[Response]] = {}  # stub id -> responses kept back (responder)
+
+    # ----- requests in ---------------------------------------------------------------------
+
+    def add(self, sender, user_id: str, requests: list, options: convert.RequestOptions) -> None:
+        """Register one Triton request (its rows) and submit it; the answer comes through the
+        sink, an engine rejection included."""
+        with self.lock:
+            pending = Pending(sender, user_id, control.new_request_key(self.by_key),
+                              num_open_rows=len(requests))
+            rows = []
+            for index, request in enumerate(requests):
+                stub_id = next(self.stub_ids)
+                pending.rows[stub_id] = convert.RowState(index, options, pending.key)
+                self.by_stub_id[stub_id] = pending
+                rows.append((stub_id, request))
+            self.by_user_id.setdefault(user_id, set()).add(pending)
+            self.by_key[pending.key] = pending
+            self.delivery.open(pending.key)
+            try:
+                self.engine.submit(rows)  # under the lock: a stop right after finds the rows
+            except Exception:
+                for stub_id, _ in rows:
+                    del self.by_stub_id[stub_id]
+                self._forget(pending)
+                raise
+
+    def refusal(self) -> str | None:
+        """Why a new request must be refused now, or None."""
+        if self.dead_message is not None:
+            return DEAD_MESSAGE
+        if self.drain.is_draining:
+            return f"{drain.SHUTDOWN_MESSAGE}; retry on another server"
+        return None
+
+    def stop(self, user_id: str, key: int | None) -> None:
+        """NVIDIA's stop: every request with this client id, or (`key`) the one our cancel relay
+        names, whose client is gone."""
+        with self.lock:
+            if key is not None:
+                targets = [self.by_key[key]] if key in self.by_key else []
+                for pending in targets:
+                    pending.is_client_cancelled = True
+            else:
+                targets = list(self.by_user_id.get(user_id, ()))
+        for pending in targets:
+            self.cancel(pending)
+
+    def ack(self, counts: dict[int, int], drained_before: float | None, may_drop: bool = True) -> None:
+        """The detokenizer's acknowledgement (see inflight.serving.delivery). `may_drop`: false
+        when the detokenizer sees every chunk (no dynamic batching): then nothing is inferred
+        from missing ones, the acknowledgement only says how far behind it is."""
+        with self.lock:
+            dropped = [self.by_key[k] for k in self.delivery.acked(counts, drained_before, may_drop)
+                       if k in self.by_key]
+            for pending in dropped:
+                pending.is_client_cancelled = True
+        for pending in dropped:
+            self.cancel(pending)
+
+    def cancel(self, pending: Pending) -> None:
+        with self.lock:
+            open_ids = [i for i in pending.rows if i in self.by_stub_id]
+        self.engine.cancel(open_ids)
+
+    def poll_cancelled(self) -> None:
+        """Cancel the requests whose client cancelled (direct calls; see delivery for the
+        ensemble's)."""
+        with self.lock:
+            live = set(self.by_stub_id.values())
+        for pending in live:
+            with pending.lock:
+                if pending.is_done or pending.is_client_cancelled:
+                    continue
+                pending.is_client_cancelled = self.sink.is_cancelled(pending.sender)
+            if pending.is_client_cancelled:
+                self.cancel(pending)
+
+    # ----- responses out -------------------------------------------------------------------
+
+    def respond(self, timeout_s: float) -> None:
+        """Take every engine event waiting (or wait up to `timeout_s` for one) and send."""
+        by_row, self.held = self.held, {}
+        dead = None
+        for event in self.engine.receive(min(timeout_s, HELD_POLL_S) if by_row else timeout_s):
+            if event[0] == "step":
+                for stub_id, response in event[1]:
+                    by_row.setdefault(stub_id, []).append(response)
+                if event[2] is not None:
+                    self.latest_stats = event[2]
+            elif event[0] == "rejected":
+                self._reject(event[1], _REJECTION_CODES.get(event[2], INTERNAL), event[3])
+            elif event[0] == "dead":
+                dead = event[1]
+        with self.lock:
+            is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
+        for stub_id, responses in by_row.items():
+            for response in merge(responses):
+                if is_behind and self._may_wait(stub_id, response):
+                    self.held.setdefault(stub_id, []).append(response)
+                else:
+                    self._deliver(stub_id, response)
+        if dead is not None:
+            self.dead_message = dead
+            self.fail_all(dead, INTERNAL)
+
+    def _may_wait(self, stub_id: int, response: Response) -> bool:
+        if response.has_error() or response.result.is_final:
+            return False
+        with self.lock:
+            pending = self.by_stub_id.get(stub_id)
+            return pending is not None and self.delivery.is_waiting(pending.key)
+
+    def _reject(self, stub_ids: list[int], code: str, message: str) -> None:
+        with self.lock:
+            victims = {self.by_stub_id.pop(i) for i in stub_ids if i in self.by_stub_id}
+            for pending in victims:
+                self._forget(pending)
+        for pending in victims:
+            self._end(pending, lambda: self.sink.send_error(pending.sender, message, code))
+
+    def _deliver(self, stub_id: int, response: Response) -> None:
+        with self.lock:
+            pending = self.by_stub_id.get(stub_id)
+            if pending is None:
+                return
+            if response.has_error() or response.result.is_final:
+                del self.by_stub_id[stub_id]
+                pending.num_open_rows -= 1
+                if not response.has_error():
+                    self.on_final(response.result)
+            is_last = pending.num_open_rows == 0
+            if is_last:
+                self._forget(pending)
+        with pending.lock:
+            if pending.is_done:
+                return
+            pending.is_done = is_last
+            try:
+                self._send(pending, stub_id, response, is_last)
+            except Exception as exc:  # the client is gone: stop generating for it
+                self.sink.warn(f"sending a response failed ({exc}); cancelling the request")
+                self.cancel(pending)
+
+    def _send(self, pending: Pending, stub_id: int, response: Response, is_last: bool) -> None:
+        if response.has_error():
+            self.sink.send_error(pending.sender, response.error_msg, INTERNAL, final=is_last)
+        elif pending.is_client_cancelled and response.result.finish_reasons[0] is FinishReason.CANCELLED:
+            # Nobody listens any more. A flags-only final lets an enclosing ensemble finish
+            # (an error response here left some ensemble requests in flight for ever).
+            if is_last:
+                self.sink.send_final(pending.sender)
+        else:
+            tensors = convert.response_tensors(response, pending.rows[stub_id])
+            with self.lock:
+                chunk = self.delivery.sending(pending.key)
+            try:
+                self.sink.send_tensors(pending.sender, tensors, final=is_last)
+            except Exception:
+                with self.lock:
+                    self.delivery.unsent(pending.key, chunk)
+                raise
+            self.delivery.sent(chunk, time.monotonic())
+
+    def _forget(self, pending: Pending) -> None:
+        """Drop a request from the indexes; the caller holds `lock`."""
+        self.by_key.pop(pending.key, None)
+        self.delivery.forget(pending.key)
+        peers = self.by_user_id.get(pending.user_id)
+        if peers is not None:
+            peers.discard(pending)
+            if not peers:
+                del self.by_user_id[pending.user_id]
+
+    def _end(self, pending: Pending, send) -> None:
+        """Send a request's last word once."""
+        with pending.lock:
+            if pending.is_done:
+                return
+            pending.is_done = True
+            try:
+                send()
+            except Exception as exc:
+                self.sink.warn(f"ending a request failed: {exc}")
+
+    def fail_all(self, message: str, code: str) -> None:
+        """End every request in flight with a final error, and cancel it in the engine."""
+        with self.lock:
+            victims = list(self.by_key.values())
+            open_ids = [i for p in victims for i in p.rows if self.by_stub_id.pop(i, None) is not None]
+            for pending in victims:
+                self._forget(pending)
+        if self.dead_message is None:
+            self.engine.cancel(open_ids)
+        for pending in victims:
+            if pending.is_client_cancelled:  # nobody listens; let the ensemble finish
+                self._end(pending, lambda: self.sink.send_final(pending.sender))
+            else:
+                self._end(pending, lambda: self.sink.send_error(pending.sender, message, code))
+
+    # ----- shutdown drain ------------------------------------------------------------------
+
+    def begin_drain(self, grace_s: float, waiter) -> tuple[bool, int]:
+        """(is the first drain request, requests in flight)."""
+        with self.lock:
+            return self.drain.begin(grace_s, waiter, time.monotonic()), len(self.by_key)
+
+    def tick(self) -> None:
+        """Ends overdue requests, and answers the drain requests once none is left."""
+        if not self.drain.is_draining:
+            return
+        if self.drain.is_overdue(time.monotonic()):
+            self.fail_all(drain.overdue_message(self.drain.grace_s), UNAVAILABLE)
+        with self.lock:
+            waiters = self.drain.take_waiters() if not self.by_key else []
+        self.answer(waiters)
+
+    def answer(self, senders) -> None:
+        for sender in senders:
+            try:
+                self.sink.send_final(sender)
+            except Exception as exc:  # the launcher went away; keep draining
+                self.sink.warn(f"answering a drain request failed: {exc}")
+
+    def close(self) -> None:
+        self.fail_all("the model is being unloaded", UNAVAILABLE)
+        with self.lock:
+            waiters = self.drain.take_waiters()
+        self.answer(waiters)

@@ -1,0 +1,149 @@
+"""Messages between the `tensorrt_llm` model and its engine process, as plain data (msgpack).
+
+Only lists, dicts, numbers, strings and bytes cross the process boundary: no pickle, so a message
+can never run code in the receiver. Each message is `[kind, *fields]`:
+
+stub → engine
+    ["add", [[stub_id, request], ...]]   one Triton request's rows, admitted all or none
+    ["cancel", [stub_id, ...]]
+    ["shutdown"]
+engine → stub
+    ["ready", {info}]                    the engine is loaded and serving
+    ["init_error", message]              it could not start (then it exits)
+    ["rejected", [stub_id, ...], kind, message]   kind: "queue_full" | "invalid"
+    ["step", [[stub_id, response], ...], stats | None]   everything one loop turn produced
+    ["fatal", message]                   the engine cannot go on (then it exits)
+
+`stub_id` is the stub's name for one engine request (one batch row of a Triton request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+
+from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
+from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request,
+                                     RequestPerfMetrics, Response, Result, SamplingConfig)
+
+ADD, CANCEL, SHUTDOWN = "add", "cancel", "shutdown"
+READY, INIT_ERROR, REJECTED, STEP, FATAL = "ready", "init_error", "rejected", "step", "fatal"
+QUEUE_FULL, INVALID = "queue_full", "invalid"
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ----- requests ------------------------------------------------------------------------------
+
+def request_to_wire(request: Request) -> dict:
+    """A serving request as plain data. The offline-only hooks (logits_processor,
+    stopping_criteria) are Python callables and never travel."""
+    if request.logits_processor is not None or request.stopping_criteria is not None:
+        raise ValueError("logits_processor and stopping_criteria cannot cross a process boundary")
+    # The builtin engine has no LoRA yet; the serving layer refuses it before this point
+    # (inflight.executor.features). Fail loudly rather than drop it if that ever changes.
+    if request.lora_config is not None:
+        raise ValueError("lora_config does not cross the process boundary yet")
+    guided = request.guided_decoding_params
+    bias = request.embedding_bias
+    return {
+        "input_token_ids": list(request.input_token_ids),
+        "max_tokens": request.max_tokens,
+        "streaming": request.streaming,
+        "sampling": {k: v for k, v in dataclasses.asdict(request.sampling_config).items() if v is not None},
+        "output": dataclasses.asdict(request.output_config),
+        "end_id": request.end_id,
+        "pad_id": request.pad_id,
+        "bad_words": request.bad_words,
+        "stop_words": request.stop_words,
+        "embedding_bias": None if bias is None else np.asarray(bias, dtype=np.float32).tobytes(),
+        "guided": None if guided is None else [guided.guide_type, guided.guide],
+        "client_id": request.client_id,
+    }
+
+
+def request_from_wire(data: dict) -> Request:
+    """Rebuilds a `Request`; its constructors check every field again (RequestError)."""
+    bias, guided = data["embedding_bias"], data["guided"]
+    return Request(
+        input_token_ids=data["input_token_ids"],
+        max_tokens=data["max_tokens"],
+        streaming=data["streaming"],
+        sampling_config=SamplingConfig(**data["sampling"]),
+        output_config=OutputConfig(**data["output"]),
+        end_id=data["end_id"],
+        pad_id=data["pad_id"],
+        bad_words=data["bad_words"],
+        stop_words=data["stop_words"],
+        embedding_bias=None if bias is None else np.frombuffer(bias, dtype=np.float32),
+        guided_decoding_params=None if guided is None else GuidedDecodingParams(*guided),
+        client_id=data["client_id"],
+    )
+
+
+# ----- responses -----------------------------------------------------------------------------
+
+def _array(value) -> list | None:
+    """An fp32 tensor or array as [shape, bytes]."""
+    if value is None:
+        return None
+    if hasattr(value, "detach"):  # torch, maybe on the device
+        value = value.detach().float().cpu().numpy()
+    array = np.ascontiguousarray(value, dtype=np.float32)
+    return [list(array.shape), array.tobytes()]
+
+
+def _from_array(data: list | None):
+    return None if data is None else np.frombuffer(data[1], dtype=np.float32).reshape(data[0])
+
+
+def response_to_wire(response: Response) -> list:
+    """[error message] or [None, {every Result field as plain data}]."""
+    if response.has_error():
+        return [response.error_msg]
+    r = response.result
+    perf = r.request_perf_metrics
+    return [None, {
+        "final": r.is_final, "ids": [list(row) for row in r.output_token_ids],
+        "cum": None if r.cum_log_probs is None else list(r.cum_log_probs),
+        "lp": None if r.log_probs is None else [list(row) for row in r.log_probs],
+        "reasons": [reason.value for reason in r.finish_reasons], "seq": r.sequence_index,
+        "seq_final": r.is_sequence_final, "n_in": r.num_input_tokens, "n_out": r.num_output_tokens,
+        "ctx": _array(r.context_logits), "gen": _array(r.generation_logits),
+        "perf": None if perf is None else dataclasses.asdict(perf)}]
+
+
+def response_from_wire(request_id: int, data: list) -> Response:
+    if data[0] is not None:
+        return Response(request_id, error_msg=data[0])
+    d = data[1]
+    result = Result(is_final=d["final"], output_token_ids=d["ids"], cum_log_probs=d["cum"],
+                    log_probs=d["lp"], finish_reasons=[FinishReason(v) for v in d["reasons"]],
+                    sequence_index=d["seq"], is_sequence_final=d["seq_final"],
+                    num_input_tokens=d["n_in"], num_output_tokens=d["n_out"],
+                    context_logits=_from_array(d["ctx"]), generation_logits=_from_array(d["gen"]),
+                    request_perf_metrics=None if d["perf"] is None else RequestPerfMetrics(**d["perf"]))
+    return Response(request_id, result=result)
+
+
+# ----- statistics ----------------------------------------------------------------------------
+
+def stats_to_wire(stats: IterationStats) -> dict:
+    data = dataclasses.asdict(stats)
+    data.pop("scheduled_request_ids")  # engine-internal ids mean nothing to the stub
+    return data
+
+
+def stats_from_wire(data: dict) -> IterationStats:
+    data = dict(data)
+    kv = KvCacheStats(**data.pop("kv_cache_stats"))
+    ib = InflightBatchingStats(**data.pop("inflight_batching_stats"))
+    return IterationStats(**data, kv_cache_stats=kv, inflight_batching_stats=ib)

@@ -69,6 +69,11 @@ def _flag(inputs: Tensors, name: str) -> bool:
     return bool(value.reshape(-1)[0]) if value is not None and value.size else False
 
 
+def _beam_width(inputs: Tensors) -> int:
+    value = inputs.get("beam_width")
+    return max(int(value.reshape(-1)[0]), 1) if value is not None and value.size else 1
+
+
 def _words(value: np.ndarray | None, row: int) -> list[str]:
     if value is None or value.size == 0:
         return []
@@ -146,7 +151,7 @@ class Pipeline:
         """This response's `text_output`: one string per beam, stop strings applied."""
         tokens, lengths = out["output_ids"], out["sequence_length"]
         post_inputs = {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths}
-        if streaming and self.accumulate_tokens:
+        if streaming and self.accumulate_tokens and _beam_width(inputs) == 1:
             row.tokens += tokens[0, 0, :int(lengths.reshape(-1)[0])].tolist()
             post_inputs = {"TOKENS_BATCH": np.asarray([[row.tokens]], dtype=np.int32),
                            "SEQUENCE_LENGTH": np.asarray([[len(row.tokens)]], dtype=np.int32)}
@@ -155,7 +160,8 @@ class Pipeline:
                                if k in ENGINE_TO_POSTPROCESSING and k not in ("output_ids", "sequence_length"))
         texts = [t.decode("utf-8") for t in self._decode(post_inputs)]
         matchers = row.matchers(len(texts))
-        if streaming and self.accumulate_tokens:
+        # Streamed beams carry every token so far (TensorRT-LLM re-sends re-ranked beams whole).
+        if streaming and (self.accumulate_tokens or _beam_width(inputs) > 1):
             texts = [m.truncate(t) for m, t in zip(matchers, texts)]
         elif streaming:
             texts = [m.feed(t) for m, t in zip(matchers, texts)]

@@ -46,6 +46,7 @@ from inflight.executor.config import ExecutorConfig
 from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.beam_state import BeamRequestState
 from inflight.platform import default_max_num_tokens
 from inflight.request_outputs import RequestOutputs
 from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
@@ -131,6 +132,7 @@ class LLMEngine:
         # Live requests whose sampling reads their tokens on the host (they make steps
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self._num_host_token_requests = 0
+        self._num_beam_requests = 0  # live beam search requests (their rows are built per beam)
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -182,7 +184,8 @@ class LLMEngine:
         reason = self.scheduler.check_fits(first.seq)
         if reason:
             raise RequestError(reason)
-        num_sequences = request.sampling_config.num_sequences
+        # Beam search returns its beams in one sequence (num_return_sequences picks them).
+        num_sequences = 1 if request.sampling_config.beam_width > 1 else request.sampling_config.num_sequences
         if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
             others = [self._new_state(request, request_id, self.new_request_id(), i, bias, first.seq)
                       for i in range(1, num_sequences)]
@@ -215,17 +218,20 @@ class LLMEngine:
         """Sequence `index` of a request. Only the first returns the prompt's logits, and it
         then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
         want_context_logits = request.output_config.return_context_logits and index == 0
+        beam_width = request.sampling_config.beam_width
         seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
                        max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,
-                       fork_parent=parent)
+                       fork_parent=parent, beam_width=beam_width)
         outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
-        return RequestState(request_id, request, seq, self._make_generator(request, index), bias, outputs,
-                            guide=self.guide(request), sequence_index=index)
+        state_class = BeamRequestState if beam_width > 1 else RequestState
+        return state_class(request_id, request, seq, self._make_generator(request, index), bias, outputs,
+                           guide=self.guide(request), sequence_index=index)
 
     def admit(self, state: RequestState, first: bool = False) -> None:
         """Queue a sequence (`first`: at the head of the queue)."""
         self.requests[state.key] = state
         self._num_host_token_requests += state.needs_host_tokens
+        self._num_beam_requests += state.is_beam
         self._num_generation_logit_requests += state.request.output_config.return_generation_logits
         if state.request.output_config.return_perf_metrics:
             self._awaiting_schedule.add(state)
@@ -248,6 +254,7 @@ class LLMEngine:
         """Drop a sequence that is done (finished, cancelled or failed) from the live set."""
         if self.requests.pop(state.key, None) is not None:
             self._num_host_token_requests -= state.needs_host_tokens
+            self._num_beam_requests -= state.is_beam
             self._num_generation_logit_requests -= state.request.output_config.return_generation_logits
             self._awaiting_schedule.discard(state)
             self._awaiting_context.discard(state)
@@ -261,6 +268,15 @@ class LLMEngine:
         if num_prompt >= self.worker.max_seq_len:
             raise RequestError(f"prompt of {num_prompt} tokens exceeds the model's maximum sequence "
                                f"length of {self.worker.max_seq_len} tokens")
+        beam_width = request.sampling_config.beam_width
+        if beam_width > self.config.max_beam_width:
+            raise RequestError(f"beam_width {beam_width} exceeds max_beam_width ({self.config.max_beam_width})")
+        if 2 * beam_width > vocab:
+            raise RequestError(f"beam_width {beam_width} needs 2 * beam_width <= the vocabulary ({vocab})")
+        if beam_width > 1 and getattr(getattr(self.worker, "tp", None), "is_parallel", False):
+            raise RequestError("beam search is not supported with tensor_parallel_size > 1 yet")
+        if beam_width > 1 and request.guided_decoding_params is not None:
+            raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
         if num_prompt + request.max_tokens > self.worker.max_seq_len:
             raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) "
                                f"exceeds the maximum sequence length of {self.worker.max_seq_len}; "
@@ -339,6 +355,8 @@ class LLMEngine:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
             rows = [st.sampling_row for st in states]
+            if self._num_beam_requests:  # a beam's row depends on which beam it is
+                rows = self._with_beam_rows(batch, states, rows)
             if self._num_host_token_requests:  # only such requests can have logits processors
                 args = (rows, [st.request.logits_processor for st in states],
                         [st.request_id for st in states])
@@ -361,8 +379,9 @@ class LLMEngine:
         responses += self._drain()  # step N-1's tokens, while the device computes this one
         self.scheduler.update(batch)
         for i, state in enumerate(states):
-            if state.finish_reason is FinishReason.NOT_FINISHED:
-                state.seq.token_ids.append(PLACEHOLDER_BASE - i)  # state.add_placeholder(i), inlined
+            # state.add_placeholder(i), inlined; beams get theirs from their re-ranking instead
+            if state.finish_reason is FinishReason.NOT_FINISHED and not state.is_beam:
+                state.seq.token_ids.append(PLACEHOLDER_BASE - i)
         if self._groups_waiting:  # a first sequence sampled: its prompt is computed
             for state in states:
                 if state.group in self._groups_waiting:
@@ -422,6 +441,10 @@ class LLMEngine:
                 logits = next(logit_rows)
             if live.get(state.key) is not state:
                 continue  # finished (cancelled, failed, stopped) since the step was launched
+            if state.is_beam:  # one update per beam group, from its candidates
+                if state.request_id in output.beams:
+                    responses += self._advance_beams(state, output.beams.pop(state.request_id))
+                continue
             if errors or not 0 <= token < vocab_size:  # its sampling broke: it fails alone
                 reason = self._bad_token(row, token, output, state)
                 if reason:
@@ -440,6 +463,19 @@ class LLMEngine:
             elif state.request.streaming:
                 responses.append(state.response(is_final=False))
         return responses
+
+    @staticmethod
+    def _with_beam_rows(batch: SchedulerOutput, states: list[RequestState], rows: list) -> list:
+        sampled = [s.seq for s in batch.scheduled if s.is_sampled]
+        return [st.beam_row(seq) if st.is_beam else row for st, seq, row in zip(states, sampled, rows)]
+
+    def _advance_beams(self, state: BeamRequestState, candidates) -> list[Response]:
+        copies = state.advance(candidates, self.block_manager)
+        if copies:  # queued before the next step, which writes the copied blocks
+            self.worker.copy_blocks(copies)
+        if state.finish_reason is not FinishReason.NOT_FINISHED:
+            return [self._finish(state)]
+        return [state.response(is_final=False)] if state.request.streaming else []
 
     def _bad_token(self, row: int, token: int, output: SamplerOutput,
                    state: RequestState) -> str | None:

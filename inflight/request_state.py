@@ -68,6 +68,8 @@ class RequestState:
         """Whether finishing this sequence ends its request."""
         return self.group is None or self.group.num_open <= 1
 
+    is_beam = False  # see inflight.beam_state.BeamRequestState
+
     @property
     def sampling(self):
         return self.request.sampling_config
@@ -90,7 +92,8 @@ class RequestState:
     @cached_property
     def sampling_row(self) -> SamplingRow:
         """The sampler's view of this request, built once: its `token_ids` is the sequence's
-        own list, so it follows every token appended (the engine reads it every step)."""
+        own list, so it follows every token appended (the engine reads it every step). Beam
+        search requests build one per beam instead (`BeamRequestState.beam_row`)."""
         sc, seq, end_id = self.sampling, self.seq, self.request.end_id
         greedy = sc.is_greedy
         return SamplingRow(

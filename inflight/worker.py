@@ -393,6 +393,15 @@ class Worker:
         sample.generation_logits, sample.context_logits = kept, prompt_logits
         return sample.start_copy()
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies KV blocks (source, destination) in every layer, queued on the device (beam
+        search's copy-on-write); the next step is queued after it."""
+        source = to_device(torch.tensor([s for s, _ in copies], dtype=torch.int64), self.device)
+        destination = to_device(torch.tensor([d for _, d in copies], dtype=torch.int64), self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            cache.index_copy_(1, destination, cache.index_select(1, source))
+
     def _share_sampled_ids(self, num_sampled: int) -> None:
         """Tensor parallel, overlapped steps: rank 0's sampled ids into every rank's
         `sampled_ids` (the next step's placeholder tokens read them on the device)."""

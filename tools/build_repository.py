@@ -43,7 +43,9 @@ DEFAULTS = {
     # The engine in a process of its own, off the python stub's interpreter lock (builtin only).
     "engine_process": "true",
     "batching_strategy": "inflight_fused_batching",
-    "max_beam_width": "1",
+    # Beam search costs nothing until a request asks for it (its blocks and rows are reserved
+    # then), so `make serve` takes NVIDIA's clients' `--beam-width 2` as it is.
+    "max_beam_width": "4",
     "max_num_sequences": "64",
     # auto: 8192 (TensorRT-LLM's), 256 on the CPU with chunked context (inflight/platform.py).
     "max_num_tokens": "auto",

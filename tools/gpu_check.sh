@@ -6,6 +6,7 @@
 #                                       # then tools/bench_gpu.py --quick
 #   bash tools/gpu_check.sh bench-full  # tools/bench_gpu.py --full alone (<= 9 min)
 #   bash tools/gpu_check.sh tests       # the first three stages alone (~5 min)
+#   bash tools/gpu_check.sh beam        # beam search on CUDA vs HF, next to greedy requests
 #   bash tools/gpu_check.sh tp          # tensor parallelism (tools/gpu_tp.py): greedy tp=2 == tp=1,
 #                                       # then Llama-3.1-8B shape tp=1 vs tp=2 (~4 min on one H100,
 #                                       # where tp=1 runs alone; ~8 min on 2 GPUs); gpu_tp.json
@@ -54,6 +55,10 @@ if [[ $what == all || $what == tests ]]; then
     $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
   stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
 fi
+if [[ $what == beam ]]; then
+  stage "beam search on CUDA" 280 beam.log \
+    $PY -m pytest -q -p no:cacheprovider tests/gpu/test_beam_cuda.py
+fi
 if [[ $what == all ]]; then
   stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
 fi
@@ -76,7 +81,7 @@ fi
   echo "==================== SUMMARY ===================="
   head -n 3 "$OUT/gpu_check.log"
   for line in "${SUMMARY[@]}"; do echo "$line"; done
-  for log in kernels.log model.log; do
+  for log in kernels.log model.log beam.log; do
     [[ -f $OUT/$log ]] && echo "$log: $(grep -E '(passed|failed|error)' "$OUT/$log" | tail -n 1)"
   done
   if [[ -f $OUT/parity.log ]]; then

@@ -208,6 +208,46 @@ class BlockManager:
         seq.block_table = []
         self._seq_hashes.pop(seq, None)
 
+    def reassign_beams(self, beams: list[Sequence], parents: list[int]) -> list[tuple[int, int]]:
+        """Beam i continues beam `parents[i]` (beams past `len(parents)` end): it takes a copy of that beam's block table (ref
+        counts up: blocks are shared, not copied) and drops its own. Then copy-on-write: a
+        beam whose next position falls in a partly filled block that another beam also holds
+        gets a fresh block for it. Returns the (source, destination) block copies the device
+        must make before the beams' next step.
+
+        Every beam's `num_computed_tokens` must equal its parent's (the engine sets them).
+        """
+        tables = [list(beams[p].block_table) for p in parents]
+        hashes = [list(self._seq_hashes.get(beams[p], [])) for p in parents]
+        for table in tables:
+            for block in table:
+                self._ref_counts[block] += 1
+        for beam, table, chain in zip(beams, tables, hashes):
+            self.free(beam)  # gives the beam a new list: the copy-on-write below edits only it
+            beam.block_table.extend(table)
+            if self.enable_prefix_caching:
+                self._seq_hashes[beam] = chain
+        for beam in beams[len(parents):]:  # beams with no continuation left
+            self.free(beam)
+        copies = []
+        for beam in beams[:len(parents)]:
+            index, offset = divmod(beam.num_computed_tokens, self.block_size)
+            if offset == 0 or index >= len(beam.block_table):
+                continue  # the next position starts a block of its own
+            source = beam.block_table[index]
+            if self._ref_counts[source] > 1:
+                if not self._free:
+                    raise RuntimeError(f"request {beam.request_id}: no free KV block for a beam's "
+                                       f"copy-on-write; admission should have reserved it")
+                block, _ = self._free.popitem(last=False)
+                self._forget_hash(block)
+                self._ref_counts[block] = 1
+                self._ref_counts[source] -= 1
+                beam.block_table[index] = block
+                self.num_allocated_blocks += 1
+                copies.append((source, block))
+        return copies
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 

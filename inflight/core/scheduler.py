@@ -51,6 +51,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Cumulative over the scheduler's life, for stats.
         self.num_preemptions = 0
+        # Rows of running beam groups beyond one per group (a group of W beams is W rows).
+        self._num_extra_beam_rows = 0
 
     @property
     def num_waiting(self) -> int:
@@ -59,6 +61,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_running_rows(self) -> int:
+        """Batch rows the running sequences take: one each, beam_width for a beam group."""
+        return len(self.running) + self._num_extra_beam_rows
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,6 +93,17 @@ class Scheduler:
             return (f"prompt of {num_prompt_tokens} tokens exceeds max_num_tokens {self.max_num_tokens}; "
                     f"enable chunked context")
         num_total_blocks = self.block_manager.num_total_blocks
+        if seq.beam_width > 1:
+            if seq.beam_width > min(self.max_batch_size, self.max_num_tokens):
+                return (f"beam_width {seq.beam_width} needs as many batch rows and tokens per step, "
+                        f"more than max_batch_size {self.max_batch_size} or max_num_tokens "
+                        f"{self.max_num_tokens}")
+            num_blocks = self._reserved_blocks(seq)
+            if num_blocks > num_total_blocks:
+                return (f"request needs {num_blocks} KV blocks (prompt {num_prompt_tokens} + "
+                        f"max_tokens {seq.max_new_tokens} tokens for each of {seq.beam_width} beams) "
+                        f"but the cache has {num_total_blocks} blocks")
+            return None
         if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
             num_tokens = seq.max_total_tokens
             detail = f"prompt {num_prompt_tokens} + max_tokens {seq.max_new_tokens} tokens"
@@ -131,10 +149,12 @@ class Scheduler:
         """Remove a finished or cancelled sequence and free its blocks; idempotent."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._num_extra_beam_rows -= seq.beam_width - 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        for beam in seq.group:  # a beam group's leader frees every beam
+            self.block_manager.free(beam)
+            beam.status = SequenceStatus.FINISHED
 
     def _num_new_tokens(self, seq: Sequence, num_budget_tokens: int) -> int:
         """Tokens `seq` computes this step within the budget; 0 means it waits."""
@@ -146,7 +166,8 @@ class Scheduler:
         return num_uncomputed if num_uncomputed <= num_budget_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, num_budget_tokens: int) -> int:
-        """Schedule running sequences, decodes before prompt chunks; return the budget left.
+        """Schedule running sequences, decodes before prompt chunks; return the budget left. A
+        beam group's rows (one token per beam) are scheduled together or not at all.
 
         Decode rows (one token each) go first, then the chunks of prompts still being
         prefilled, each in admission order: so a long prompt, chunked under the step's token
@@ -174,6 +195,11 @@ class Scheduler:
                 # token arrives and never computes more. (Never seen by synchronous engines.)
                 continue
             num_uncomputed = num_tokens - seq.num_computed_tokens
+            if seq.beam_siblings:
+                num_new, num_freed_tokens = self._schedule_beams(seq, num_uncomputed, num_budget_tokens,
+                                                                 out)
+                num_budget_tokens += num_freed_tokens - num_new
+                continue
             if num_uncomputed == 1:  # a decode row
                 num_new = 1
             else:
@@ -191,18 +217,34 @@ class Scheduler:
             num_budget_tokens -= num_new
         return num_budget_tokens
 
+    def _schedule_beams(self, seq: Sequence, num_uncomputed: int, num_budget_tokens: int,
+                        out: SchedulerOutput) -> tuple[int, int]:
+        """Schedules every beam of `seq`'s group for one token. Returns (tokens scheduled, 0
+        when the group waits for its re-ranking or for budget; tokens of preempted rows taken
+        back out of `out`). Makes room by preempting other requests, never beams (their
+        blocks are reserved at admission)."""
+        num_new = len(seq.beam_siblings) + 1
+        if not num_uncomputed or num_new > num_budget_tokens:
+            return 0, 0
+        _, num_freed_tokens = self._make_room(seq, 0, out)
+        for beam in seq.group:
+            self.block_manager.allocate(beam, beam.num_computed_tokens + 1)
+            out.scheduled.append(ScheduledSequence(beam, 1))
+        return num_new, num_freed_tokens
+
     def _make_room(self, seq: Sequence, num_needed_tokens: int,
                    out: SchedulerOutput) -> tuple[bool, int]:
-        """Preempts the newest running sequences until `seq` can have its blocks. Returns
-        (whether `seq` is still running, tokens of victims' rows taken out of `out`, back
-        into the budget)."""
+        """Preempts the newest running sequences (never beams) until `seq` can have its blocks
+        (a beam group: every beam its next block). Returns (whether `seq` is still running,
+        tokens of victims' rows taken out of `out`, back into the budget)."""
         num_freed_tokens = 0
-        while not self.block_manager.can_allocate(seq, num_needed_tokens):
+        while not (self._beams_fit(seq) if seq.beam_siblings else
+                   self.block_manager.can_allocate(seq, num_needed_tokens)):
             if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
                 raise RuntimeError(
                     f"request {seq.request_id}: KV blocks ran out under guaranteed_no_evict; "
                     f"admission should have reserved them")
-            victim = max(self.running, key=lambda s: s.arrival_index)
+            victim = self._victim(seq)
             self._preempt(victim, out)
             num_freed_tokens += sum(s.num_new_tokens for s in out.scheduled if s.seq is victim)
             out.scheduled[:] = [s for s in out.scheduled if s.seq is not victim]
@@ -210,18 +252,45 @@ class Scheduler:
                 return False, num_freed_tokens
         return True, num_freed_tokens
 
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """Whether every beam of `seq`'s group can take its next token."""
+        bm = self.block_manager
+        missing = sum(bm.num_missing_blocks(b, b.num_computed_tokens + 1) for b in seq.group)
+        return missing <= bm.num_free_blocks
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The newest running sequence that may be preempted. Beam groups never are: their
+        blocks are reserved at admission (`_reserved_blocks`), so preempting the others always
+        makes room for them."""
+        victims = [s for s in self.running if s.beam_width == 1]
+        if not victims:
+            raise RuntimeError(f"request {seq.request_id}: KV blocks ran out with only beam search "
+                               f"requests running; admission should have reserved them")
+        return max(victims, key=lambda s: s.arrival_index)
+
+    def _reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` may hold over its life: prompt + max_new_tokens; for a beam group the
+        full prompt blocks once (shared) and every beam's other blocks."""
+        num_blocks = self.block_manager.num_blocks_for(seq.max_total_tokens)
+        if seq.beam_width == 1:
+            return num_blocks
+        num_shared = seq.num_prompt_tokens // self.block_manager.block_size
+        return num_shared + seq.beam_width * (num_blocks - num_shared)
+
     def _schedule_waiting(self, out: SchedulerOutput, num_budget_tokens: int) -> None:
         """Admit waiting sequences in FIFO order; stop at the first that cannot be admitted."""
         if not self.waiting:
             return  # the common decode step: skip the O(running) reservation sum
-        num_reserved_blocks = 0
-        if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
-            num_reserved_blocks = sum(self.block_manager.num_blocks_for(s.max_total_tokens)
-                                      for s in self.running)
-        while self.waiting and len(self.running) < self.max_batch_size and num_budget_tokens > 0:
+        # Beam groups reserve their blocks under both policies (they are never preempted).
+        reserve_all = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        num_reserved_blocks = sum(self._reserved_blocks(s) for s in self.running
+                                  if reserve_all or s.beam_width > 1)
+        while self.waiting and self.num_running_rows < self.max_batch_size and num_budget_tokens > 0:
             seq = self.waiting[0]
-            if self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
-                num_seq_blocks = self.block_manager.num_blocks_for(seq.max_total_tokens)
+            if self.num_running_rows + seq.beam_width > self.max_batch_size:
+                break
+            if reserve_all or seq.beam_width > 1:
+                num_seq_blocks = self._reserved_blocks(seq)
                 if num_reserved_blocks + num_seq_blocks > self.block_manager.num_total_blocks:
                     break
                 num_reserved_blocks += num_seq_blocks
@@ -236,6 +305,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._num_extra_beam_rows += seq.beam_width - 1
             out.scheduled.append(ScheduledSequence(seq, num_new))
             num_budget_tokens -= num_new
 

@@ -25,7 +25,12 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request as the control plane sees it (beam width 1).
+    """One request as the control plane sees it, or one beam of a beam search request.
+
+    A beam search request enters as one sequence (its prompt); once the prompt is computed the
+    engine forks `beam_width - 1` siblings that share its blocks. The first sequence (the
+    leader) stands for the whole group in the scheduler's queues: the group is scheduled,
+    reserved and freed as one.
 
     Filled by the engine at enqueue time; `num_computed_tokens`, `block_table`, `status` and
     `num_cached_tokens` are owned by the scheduler and block manager; the engine appends each
@@ -54,6 +59,13 @@ class Sequence:
     fork_parent: "Sequence | None" = None
     # Monotonic admission order; preemption picks the largest (newest) first.
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    beam_width: int = 1  # of the request (the leader's; siblings copy it)
+    beam_siblings: list["Sequence"] = field(default_factory=list)  # the leader's other beams
+
+    @property
+    def group(self) -> list["Sequence"]:
+        """The sequences scheduled together: this one and its sibling beams."""
+        return [self, *self.beam_siblings] if self.beam_siblings else [self]
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -230,7 +230,7 @@ class ExecutorConfig:
     guided_decoding_config: GuidedDecodingConfig | None = None
 
     def __post_init__(self) -> None:
-        _check(self.max_beam_width == 1, f"max_beam_width must be 1 (beam search is not supported), got {self.max_beam_width}")
+        _check(self.max_beam_width >= 1, f"max_beam_width must be >= 1, got {self.max_beam_width}")
         _check(self.max_batch_size > 0, f"max_batch_size must be > 0, got {self.max_batch_size}")
         _check(self.max_num_tokens is None or self.max_num_tokens > 0,
                f"max_num_tokens must be > 0, got {self.max_num_tokens}")

@@ -27,8 +27,8 @@ class EngineFeatures:
     lora: bool = False
 
 
-# What `inflight.engine` has today.
-BUILTIN_FEATURES = EngineFeatures(multiple_sequences=True, context_logits=True, generation_logits=True,
+# What `inflight.engine` has today (max_beam_width comes from the ExecutorConfig).
+BUILTIN_FEATURES = EngineFeatures(beam_search=True, multiple_sequences=True, context_logits=True, generation_logits=True,
                                   perf_metrics=True)
 # TensorRT-LLM does everything itself (and checks it against its own build).
 ALL_FEATURES = EngineFeatures(max_beam_width=1 << 10, beam_search=True, multiple_sequences=True,
@@ -53,7 +53,8 @@ def unsupported(request: Request, features: EngineFeatures) -> str | None:
             return (f"beam_width {beam_width} is not supported yet by this engine "
                     f"(max_beam_width is {features.max_beam_width})")
         return f"beam_width {beam_width} exceeds max_beam_width ({features.max_beam_width})"
-    if (sampling.num_return_sequences or 1) > 1 and not features.multiple_sequences:
+    # With beam search, num_return_sequences only says how many of the beams come back.
+    if (sampling.num_return_sequences or 1) > 1 and beam_width == 1 and not features.multiple_sequences:
         return _not_yet(f"num_return_sequences {sampling.num_return_sequences}")
     checks = (
         (output.return_context_logits, features.context_logits, "return_context_logits"),

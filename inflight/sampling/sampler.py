@@ -35,6 +35,8 @@ from functools import cached_property
 import torch
 
 from inflight.platform import to_device
+from inflight.core.beam_search import BeamRow, Candidates
+from inflight.sampling.beam_search import beam_candidates
 from inflight.sampling.token_mask import Guide, build_token_mask
 
 _GREEDY_TEMPERATURE = 1e-5
@@ -62,6 +64,7 @@ class SamplingRow:
     embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits first
     generator: torch.Generator | None = None  # per-request RNG on the logits' device
     return_log_probs: bool = False
+    beam: BeamRow | None = None  # set on the rows of a beam search request (its token is unused)
     # Guided decoding: the request's grammar matcher (it has accepted every token so far);
     # only the tokens it allows can be sampled.
     guide: Guide | None = None
@@ -80,7 +83,8 @@ class SamplingRow:
     def is_plain_greedy(self) -> bool:
         """Argmax with nothing applied to the logits at any step and no log probs. Cached: a
         row's parameters are fixed once it is built (only `token_ids` grows)."""
-        return (self.is_greedy and not self.return_log_probs and self.repetition_penalty == 1.0
+        return (self.beam is None and self.is_greedy and not self.return_log_probs
+                and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and not self.bad_words and self.embedding_bias is None and self.guide is None
                 and (self.end_id is None or self.min_tokens <= 0))
@@ -120,6 +124,8 @@ class SamplerOutput:
     context_logits: torch.Tensor | None = None
     # Row -> why its logits hook failed; such a row's token is INVALID_TOKEN.
     errors: dict[int, str] = field(default_factory=dict)
+
+    beams: dict[int, Candidates] = field(default_factory=dict)  # beam request id -> candidates
 
 
 def apply_logits_hooks(logits: torch.Tensor, hooks, request_ids: list[int],
@@ -162,6 +168,8 @@ class DeviceSample:
     _host: torch.Tensor | None = None  # pinned copy: [S] int64, or [2, S] float64 with log probs
     _host_logits: tuple = (None, None)  # pinned copies of (generation_logits, context_logits)
     _ready: object = None  # torch.cuda.Event recorded after the copies
+    beam_groups: list[tuple[int, int]] = field(default_factory=list)  # (request id, K) per group
+    beam_values: torch.Tensor | None = None  # [4, sum of K] float64 (beam_search.beam_candidates)
 
     def start_copy(self) -> "DeviceSample":
         """Queues the device -> host copies without waiting (CUDA); a no-op on the CPU."""
@@ -172,6 +180,8 @@ class DeviceSample:
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
         self._host = _pinned_copy(values)
         self._host_logits = (_pinned_copy(self.generation_logits), _pinned_copy(self.context_logits))
+        if self.beam_values is not None:
+            self.beam_values = self.beam_values.to("cpu", non_blocking=True)
         self._ready = torch.cuda.Event()
         self._ready.record()
         return self
@@ -189,13 +199,26 @@ class DeviceSample:
             values = torch.stack([self.token_ids.double(), self.log_probs.double()])
         else:
             values = self.token_ids
+        beams = self._beams()
         if self.log_probs is None:
             return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs),
-                                 generation_logits, context_logits, self.errors)
+                                 generation_logits, context_logits, self.errors, beams)
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
                              [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
-                             generation_logits, context_logits, self.errors)
+                             generation_logits, context_logits, self.errors, beams)
+
+    def _beams(self) -> dict[int, Candidates]:
+        if self.beam_values is None:
+            return {}
+        out, start = {}, 0
+        tokens, parents, cum, lps = self.beam_values.tolist()
+        for group, k in self.beam_groups:
+            end = start + k
+            out[group] = Candidates([int(t) for t in tokens[start:end]], [int(p) for p in parents[start:end]],
+                                    cum[start:end], lps[start:end])
+            start = end
+        return out
 
 
 def _pinned_copy(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -244,6 +267,8 @@ class Sampler:
             return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, [False] * len(rows))
         wants = [r.return_log_probs for r in rows]
         want_log_probs = any(wants)
+        if any(r.beam is not None for r in rows):
+            return self._with_beams(logits, rows)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
             return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, wants)
 
@@ -262,6 +287,18 @@ class Sampler:
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
         chosen = log_probs.gather(1, tokens.clamp_min(0).unsqueeze(1)).squeeze(1)  # [S]
         return DeviceSample(tokens, chosen, wants)
+
+    def _with_beams(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """A step with beam rows: the other rows sample as usual (beam rows get an unused
+        greedy token), the beam rows' candidates ride along in the same host copy."""
+        beam_index = [i for i, r in enumerate(rows) if r.beam is not None]
+        beam_rows = [rows[i] for i in beam_index]
+        index = _to_device(beam_index, torch.int64, logits.device)
+        processed = self.process_logits(logits.index_select(0, index), beam_rows)
+        groups, values = beam_candidates(processed, [r.beam for r in beam_rows])
+        sample = self.sample_on_device(logits, [_plain(r) for r in rows])
+        sample.beam_groups, sample.beam_values = groups, values
+        return sample
 
     @staticmethod
     def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -348,3 +385,10 @@ class Sampler:
             else:
                 noise[i].exponential_()
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain(row: SamplingRow) -> SamplingRow:
+    """A beam row as a plain greedy row (its sampled token is not used)."""
+    if row.beam is None:
+        return row
+    return SamplingRow(row.token_ids, row.num_prompt_tokens, return_log_probs=row.return_log_probs)

@@ -33,6 +33,7 @@ class RequestOptions:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     num_return_sequences: int = 1
+    beam_width: int = 1  # streamed beams carry all their tokens: no stream context
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def request_rows(inputs: dict[str, np.ndarray], decoupled: bool, default_exclude
         if reason:
             raise RequestError(reason)
     options.num_return_sequences = requests[0].sampling_config.num_sequences
-    if options.num_return_sequences > 1 and not decoupled:
+    options.beam_width = requests[0].sampling_config.beam_width
+    if options.num_return_sequences > 1 and options.beam_width == 1 and not decoupled:
         raise RequestError("num_return_sequences > 1 requires the tensorrt_llm model to use the decoupled "
                            "transaction policy (one response per sequence)")
     return requests, options
@@ -170,7 +172,9 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
     result = response.result
     options = row.options
     beams = [list(b) for b in result.output_token_ids]
-    context = row.context_ids.get(result.sequence_index, []) if options.streaming else []
+    # Streamed beams carry all their tokens (TensorRT-LLM re-sends re-ranked beams whole).
+    deltas = options.streaming and options.beam_width == 1
+    context = row.context_ids.get(result.sequence_index, []) if deltas else []
     out = {
         "output_ids": _beams(beams, np.int32, -1),
         "sequence_length": np.asarray([[len(b) for b in beams]], dtype=np.int32),
@@ -179,7 +183,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
         "is_final": _one(result.is_final, np.bool_),
         "request_key": _one(row.request_key, np.uint64),
     }
-    if options.streaming:
+    if deltas:
         row.context_ids[result.sequence_index] = (context + beams[0])[-CONTEXT_TOKENS:]
     if options.return_log_probs:
         log_probs = [list(lp) for lp in result.log_probs] if result.log_probs else [[] for _ in beams]

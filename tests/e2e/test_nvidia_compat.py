@@ -133,7 +133,7 @@ def test_batch_inputs_answer_each_row_with_its_batch_index(server):
 
 
 REFUSALS = [
-    ({"beam_width": np.array([[2]], np.int32)}, "beam_width 2 is not supported yet by this engine (max_beam_width is 1)"),
+    ({"beam_width": np.array([[8]], np.int32)}, "beam_width 8 exceeds max_beam_width (4)"),
     ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA is not supported yet"),
     ({"decoder_text_input": np.array([["x"]], dtype=object)}, "this model is decoder-only"),
     ({"top_p": np.array([[1.5]], np.float32)}, "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
@@ -161,9 +161,9 @@ def test_a_missing_required_input_is_one_final_error_over_grpc(server):
 def test_http_generate_takes_nvidia_curl_body_and_refusals_end_the_stream(server):
     [reply] = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "bad_words": "", "stop_words": ""})
     assert reply["text_output"].startswith(PROMPT)
-    events = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "stream": True, "beam_width": 2},
+    events = server.http_generate({"text_input": PROMPT, "max_tokens": 8, "stream": True, "beam_width": 8},
                                   stream=True)
-    assert len(events) == 1 and "beam_width 2 is not supported yet" in events[0]["error"]
+    assert len(events) == 1 and "beam_width 8 exceeds max_beam_width (4)" in events[0]["error"]
 
 
 # ----- tensorrt_llm directly, as inflight_batcher_llm_client.py and the benchmarks do ------------
@@ -257,8 +257,8 @@ def test_the_plain_set_up_refuses_streaming_with_one_final_error(plain_server):
     for model in ("ensemble", "tensorrt_llm_bls"):
         _, errors, _ = stream_once(plain_server, text_inputs(stream=np.array([[True]])), model)
         assert len(errors) == 1 and "decoupled" in errors[0], errors
-    _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[2]], np.int32)))
-    assert len(errors) == 1 and "beam_width 2 is not supported yet" in errors[0]
+    _, errors, _ = stream_once(plain_server, text_inputs(beam_width=np.array([[8]], np.int32)))
+    assert len(errors) == 1 and "beam_width 8 exceeds max_beam_width (4)" in errors[0]
     for model in ("ensemble", "tensorrt_llm_bls"):  # one response per sequence needs decoupled
         _, errors, _ = stream_once(plain_server, text_inputs(num_return_sequences=np.array([[2]], np.int32)), model)
         assert len(errors) == 1 and "num_return_sequences > 1" in errors[0], errors

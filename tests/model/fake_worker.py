@@ -37,7 +37,9 @@ def fake_logits(token_ids: list[int], vocab_size: int = VOCAB) -> torch.Tensor:
 class FakeWorker:
     """Has what `LLMEngine` uses of a `Worker`; checks each scheduled row's KV block table."""
 
-    def __init__(self, config: ExecutorConfig, max_seq_len: int = 256):
+    def __init__(self, config: ExecutorConfig, max_seq_len: int = 256, check_kv: bool = False):
+        """`check_kv`: keep the token each KV slot was written with, and check every row's
+        context against its block table (beam forks, copy-on-write, prefix reuse)."""
         self.device = torch.device("cpu")
         self.model_config = ModelConfig.from_hf_dict(
             dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
@@ -49,6 +51,22 @@ class FakeWorker:
         self.num_blocks = -(-max_tokens // self.block_size)
         self.sampler = Sampler()
         self.num_steps = 0
+        self.kv_tokens: dict[int, list[int | None]] | None = {} if check_kv else None
+        self.num_copied_blocks = 0
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.num_copied_blocks += len(copies)
+        if self.kv_tokens is not None:
+            for source, destination in copies:
+                self.kv_tokens[destination] = list(self.kv_tokens[source])
+
+    def _check_kv(self, item) -> None:
+        seq, size = item.seq, self.block_size
+        for pos in range(item.start_position, item.context_len):
+            slots = self.kv_tokens.setdefault(seq.block_table[pos // size], [None] * size)
+            slots[pos % size] = seq.token_ids[pos]
+        cached = [self.kv_tokens[seq.block_table[pos // size]][pos % size] for pos in range(item.context_len)]
+        assert cached == seq.token_ids[:item.context_len], f"request {seq.request_id}: KV holds other tokens"
 
     def execute(self, batch: SchedulerOutput, rows: list[SamplingRow], hooks=None,
                 request_ids=None, context_logits=None, generation_logits=None) -> SamplerOutput:
@@ -58,6 +76,8 @@ class FakeWorker:
             table = item.seq.block_table
             assert len(table) * self.block_size >= item.context_len, "KV blocks missing"
             assert len(set(table)) == len(table) and all(0 <= b < self.num_blocks for b in table)
+            if self.kv_tokens is not None:
+                self._check_kv(item)
             if item.is_sampled:
                 sampled.append(fake_logits(item.seq.token_ids[:item.context_len]))
         prompt_logits = None

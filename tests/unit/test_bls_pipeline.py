@@ -119,3 +119,27 @@ def test_a_cancelled_client_stops_the_engine_request():
     calls = iter([False, True])
     responses = list(Pipeline(models).run(_request(stream=True), "r3", lambda: next(calls, True)))
     assert _texts(responses) == ["a"] and models.stopped == ["r3"]
+
+
+class BeamModels(FakeModels):
+    """The engine streams two beams, each whole so far (TensorRT-LLM's beam streaming)."""
+
+    def stream(self, model, inputs, outputs, request_id):
+        beams = [[ord(c) for c in text] for text in self.answer]
+        for n in range(1, max(map(len, beams)) + 1):
+            if request_id in self.stopped:
+                return
+            rows = [b[:n] + [0] * (n - len(b[:n])) for b in beams]
+            yield {"output_ids": np.array([rows], np.int32),
+                   "sequence_length": np.array([[len(b[:n]) for b in beams]], np.int32)}
+
+
+def test_streamed_beams_are_whole_texts_cut_at_stop_strings():
+    beam_width = {"beam_width": np.array([[2]], np.int32)}
+    responses = list(Pipeline(BeamModels(["abc", "xyz"])).run(_request(stream=True, **beam_width), "b1"))
+    assert [[t.decode() for t in r["text_output"]] for r in responses] == \
+        [["a", "x"], ["ab", "xy"], ["abc", "xyz"]]
+    models = BeamModels(["a,bc", "x,yz"])
+    words = np.array([[b","]], dtype=object)
+    responses = list(Pipeline(models).run(_request(stream=True, stop_words=words, **beam_width), "b2"))
+    assert [t.decode() for t in responses[-1]["text_output"]] == ["a,", "x,"] and models.stopped == ["b2"]

@@ -15,7 +15,7 @@ from tests.conftest import REPO_ROOT
 
 TORCH_FREE = [
     "inflight.core.block_manager", "inflight.core.scheduler", "inflight.core.sequence",
-    "inflight.core.outputs", "inflight.executor.types", "inflight.executor.config",
+    "inflight.core.outputs", "inflight.core.beam_search", "inflight.executor.types", "inflight.executor.config",
     "inflight.executor.stats", "inflight.executor.features", "inflight.serving.convert",
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
     "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",

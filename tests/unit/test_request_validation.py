@@ -59,7 +59,7 @@ def test_bad_request_values_raise_request_error(make, message):
     (lambda: KvCacheConfig(tokens_per_block=12), "tokens_per_block must be a power of two, got 12"),
     (lambda: ExecutorConfig(max_batch_size=0), "max_batch_size must be > 0"),
     (lambda: ExecutorConfig(max_num_tokens=0), "max_num_tokens must be > 0"),
-    (lambda: ExecutorConfig(max_beam_width=2), "max_beam_width must be 1"),
+    (lambda: ExecutorConfig(max_beam_width=0), "max_beam_width must be >= 1"),
     (lambda: ExecutorConfig(max_queue_size=-1), "max_queue_size must be >= 0"),
     (lambda: ExecutorConfig(max_seq_len=0), "max_seq_len must be > 0"),
     (lambda: ExecutorConfig(dtype="int8"), "dtype must be auto, float32, bfloat16 or float16, got 'int8'"),

@@ -64,7 +64,7 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
     ({"len_penalty": np.array([-2.0], dtype=np.float32)}, True,
      "len_penalty (the ensemble's length_penalty) must be >= 0"),
     ({"beam_width": np.array([4], dtype=np.int32)}, True,
-     "beam_width 4 is not supported yet by this engine (max_beam_width is 1)"),
+     "beam_width 4 exceeds max_beam_width (1)"),
     ({"beam_width": np.array([-1], dtype=np.int32)}, True, "beam_width must be > 0, got -1"),
     ({"runtime_top_p_decay": np.array([0.5], dtype=np.float32)}, True, "runtime_top_p_decay 0.5 is not supported"),
     ({"runtime_top_p_decay": np.array([1.5], dtype=np.float32)}, True, "runtime_top_p_decay must be in (0, 1]"),

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,13 +99,43 @@ def measure(args, server, params, texts, ids, work_dir: Path, binary: str, deadl
             paths = [(True, "Triton streaming")] + ([] if args.skip_non_streaming
                                                     else [(False, "Triton non-streaming")])
             for stream, name in paths:
+                before = model_stats(server.http_url)
                 levels.append(serving_load.run_perf_analyzer(
                     binary, server.grpc_url, inputs[stream], c, max(num // 3, 1),
                     args.output_tokens, name, work_dir))
+                print_stats_delta(f"c={c} {name}", before, model_stats(server.http_url))
             report(levels[-1 - len(paths):])
     finally:
         free_engine(engine)
     return levels
+
+
+def model_stats(http_url: str) -> dict[str, dict]:
+    """Triton's per-model statistics (GET /v2/models/stats), by model name."""
+    with urllib.request.urlopen(f"{http_url}/v2/models/stats", timeout=10) as reply:
+        return {m["name"]: m for m in json.load(reply)["model_stats"]}
+
+
+def print_stats_delta(label: str, before: dict, after: dict) -> None:
+    """Where a level's time went, per model: executes, requests per execute, and the mean
+    queue and compute (input + infer + output) time per execute. A model whose queue time
+    grows with the load is the one that limits it."""
+    print(f"    {label}: per model (executes, requests/execute, queue ms, compute ms per execute)")
+    for name in sorted(after):
+        new, old = after[name], before.get(name, {})
+        executes = new.get("execution_count", 0) - old.get("execution_count", 0)
+        if executes <= 0:
+            continue
+        requests = new.get("inference_count", 0) - old.get("inference_count", 0)
+
+        def ms(key: str) -> float:
+            now = new["inference_stats"][key]["ns"]
+            was = old.get("inference_stats", {}).get(key, {}).get("ns", 0)
+            return (now - was) / 1e6 / executes
+
+        compute = ms("compute_input") + ms("compute_infer") + ms("compute_output")
+        print(f"      {name:<16} {executes:>7} {requests / executes:6.2f} "
+              f"{ms('queue'):9.3f} {compute:9.3f}", flush=True)
 
 
 def report(levels: list) -> None:

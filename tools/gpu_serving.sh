@@ -24,6 +24,8 @@ WORK=/tmp/gpu-serving
 ENV=$WORK/env
 MODEL=$WORK/llama-3.2-1b-random
 BUDGET_S=${BUDGET_S:-330}  # no new concurrency level starts after this (the bench's own clock)
+CONCURRENCY=${CONCURRENCY:-1 16 64 256}  # the levels measured (fewer for a quick diagnosis)
+# SET: more repository values (k:v,k:v, e.g. engine_process:false); BENCH_ARGS: more flags.
 mkdir -p "$OUT" "$WORK/pack"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1 PYTHONDONTWRITEBYTECODE=1
 exec > >(tee -a "$OUT/serving.log") 2>&1
@@ -63,11 +65,11 @@ if [[ ! -f $MODEL/model.safetensors ]]; then
     --out "$MODEL" --dtype bfloat16 || exit 4
 fi
 
-step "bench_serving: Triton (streaming, non-streaming) vs in process, c = 1 16 64 256"
+step "bench_serving: Triton (streaming, non-streaming) vs in process, c = $CONCURRENCY"
 timeout --kill-after=15 $((BUDGET_S + 180)) "$ENV/bin/python3" tools/bench_serving.py \
-  --model "$MODEL" --device cuda --dtype bfloat16 --concurrency 1 16 64 256 \
+  --model "$MODEL" --device cuda --dtype bfloat16 --concurrency $CONCURRENCY \
   --prompt-tokens 128 --output-tokens 128 --rounds 3 --perf-analyzer "$PA" --targets gpu \
-  --budget-s "$BUDGET_S" --server-log "$OUT/server.log" --set max_seq_len:1024
+  --budget-s "$BUDGET_S" --server-log "$OUT/server.log" --set "max_seq_len:1024${SET:+,$SET}" ${BENCH_ARGS:-}
 rc=$?
 step "done (exit $rc)"
 exit $rc

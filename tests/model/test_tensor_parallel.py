@@ -9,6 +9,8 @@ by `tolerances.fp32_noise_bound`.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -85,6 +87,11 @@ def test_tp2_matches_tp1(tmp_path):
         rank1 = engine.worker.ranks.processes[0]
         engine.worker.tp.send_message(99)
         rank1.join(timeout=120)
+        # The launcher's watcher thread joins the rank too; whichever reaps it first sets the
+        # exit code, so the other may see it a moment later.
+        deadline = time.monotonic() + 10
+        while rank1.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert rank1.exitcode == 1
         engine.add_request(gen_request(PROMPTS[0], 4))
         with pytest.raises(EngineFatalError, match="tensor-parallel rank is gone"):

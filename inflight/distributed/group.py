@@ -144,9 +144,8 @@ class TensorParallel:
         rank 1 to exit, while rank 1 waited in its teardown for rank 0's, deadlocked: the first
         2-GPU run). gloo's is local, so a barrier on the control group comes first and makes
         that pairing explicit on every backend (a CPU run shows an ordering bug too); it is
-        bounded, so a peer that never arrives fails it instead of hanging it. The groups are
-        destroyed only when every rank arrived (NCCL's teardown without its peer can hang),
-        and that in turn is bounded. True when the teardown completed.
+        bounded, so a peer that never arrives fails it instead of hanging it. True when the
+        teardown completed; False leaves the groups to `destroy` once the peers are ended.
         """
         if self.size == 1 or not dist.is_initialized():
             return True
@@ -154,11 +153,23 @@ class TensorParallel:
             dist.monitored_barrier(group=self.cpu_group, timeout=datetime.timedelta(seconds=timeout_s),
                                    wait_all_ranks=True)
         except RuntimeError as exc:
-            logger.error("tensor-parallel rank %d: a peer did not come to the teardown in %.0f s; "
-                         "the process groups are left to the process exit: %s", self.rank, timeout_s, exc)
+            logger.error("tensor-parallel rank %d: a peer did not come to the teardown in %.0f s: %s",
+                         self.rank, timeout_s, exc)
             return False
+        return self.destroy(timeout_s)
+
+    def destroy(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Destroys this process's groups, waiting at most `timeout_s` (NCCL's teardown waits
+        for its peers': after `close`'s barrier they are in theirs; after they were killed it
+        may not return). True when it did; otherwise it is left to the process exit."""
+        if self.size == 1 or not dist.is_initialized():
+            return True
         done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
-        done.start()
+        try:
+            done.start()
+        except RuntimeError:  # at interpreter exit (atexit) Python 3.12 starts no new thread
+            dist.destroy_process_group()
+            return True
         done.join(timeout_s)
         if done.is_alive():
             logger.error("tensor-parallel rank %d: destroying the process groups did not finish in "

@@ -107,14 +107,16 @@ class Ranks:
                 logger.exception("could not send the stop message to the tensor-parallel ranks")
         else:
             logger.error("a tensor-parallel rank has exited already: ending the others")
-        if told:
-            self.tp.close()  # paired with each rank's own close, right after its stop message
+        # Paired with each rank's own close, right after its stop message.
+        closed = told and self.tp.close()
         for p in self.processes:
             p.join(_STOP_TIMEOUT_S if told else 0)
             if p.is_alive():
                 logger.error("tensor-parallel rank (pid %d) did not stop; killing it", p.pid)
                 p.kill()
                 p.join()
+        if not closed:  # the peers are gone: this process's side alone (a later engine may start)
+            self.tp.destroy()
         logger.info("tensor-parallel ranks stopped in %.1f s (exit codes %s)", time.monotonic() - start,
                     [p.exitcode for p in self.processes])
 

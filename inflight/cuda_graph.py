@@ -111,6 +111,8 @@ class CudaGraphRunner:
                                  for n in range(1, self.max_batch_size + 1)]
         self.kv_caches: list[torch.Tensor] | None = None
         self.pool = None
+        # Bytes the pool grew by at capture: per mixed token bucket ("mixed T"), then "decode".
+        self.pool_growth: dict[str, int] = {}
 
     # ----- start-up ------------------------------------------------------------------------
 
@@ -127,6 +129,7 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         if self.mixed is not None:
             grown = self.mixed.capture(kv_caches, self.pool)
+            self.pool_growth.update((f"mixed {t}", b) for t, b in grown)
             logger.info("captured %d mixed-step CUDA graphs; memory pool growth per token bucket: %s",
                         len(grown), ", ".join(f"{t}: {b / 2**20:.1f} MiB" for t, b in grown))
         before = torch.cuda.memory_reserved()
@@ -140,9 +143,10 @@ class CudaGraphRunner:
                 self._forward(bucket)
             bucket.graph = graph
         torch.cuda.synchronize()
+        self.pool_growth["decode"] = torch.cuda.memory_reserved() - before
         logger.info("captured %d decode CUDA graphs (batch sizes %s); memory pool growth %.1f MiB",
                     len(self.batch_sizes), ", ".join(map(str, self.batch_sizes)),
-                    (torch.cuda.memory_reserved() - before) / 2**20)
+                    self.pool_growth["decode"] / 2**20)
 
     @torch.inference_mode()
     def _forward(self, bucket: _Bucket) -> None:

@@ -96,18 +96,22 @@ def staggered_run(engine, prompts: list[list[int]], concurrency: int, num_tokens
 
 
 def steady_mixed(engine, vocab: int, concurrency: int, prompt_len: int, num_steps: int) -> dict:
-    """concurrency - 1 rows decoding and one new one-token request's prompt every step: each
-    step is mixed. Profiled, then timed without the profiler."""
+    """concurrency - 2 rows decoding and one new one-token request's prompt every step (the
+    last one's row is still held while its result is in flight: a batch of `concurrency`), so
+    every step is mixed (`mixed_share` says so). Profiled, then timed without the profiler."""
     from torch.profiler import ProfilerActivity, profile
     device = engine.worker.device
     rows = [engine.add_request(Request(p, 4 * num_steps + 16, end_id=-1))
-            for p in random_prompts(concurrency - 1, prompt_len, vocab, seed=21)]
+            for p in random_prompts(concurrency - 2, prompt_len, vocab, seed=21)]
     extra = iter(random_prompts(4 * num_steps + 8, prompt_len, vocab, seed=22))
+    kinds = []
 
     def steps(n):
         for _ in range(n):
             engine.add_request(Request(next(extra), 1, end_id=-1))
             engine.step()
+            stats = engine.last_stats.inflight_batching_stats
+            kinds.append(bool(stats.num_ctx_tokens and stats.num_gen_requests))
 
     for _ in range(4):  # the first prompts and a few decode steps
         engine.step()
@@ -120,6 +124,7 @@ def steady_mixed(engine, vocab: int, concurrency: int, prompt_len: int, num_step
         sync(device)
         wall = time.perf_counter() - start
     result = kernel_summary(prof, num_steps, wall, top=8)
+    result["mixed_share"] = sum(kinds[-num_steps:]) / num_steps
     sync(device)
     start = time.perf_counter()
     steps(2 * num_steps)
@@ -144,8 +149,10 @@ def bench_shape(shape: str, args, device: torch.device) -> dict:
     del weights
     runner = engine.worker.graph_runner
     mixed = runner.mixed if runner is not None else None
-    out = {"mixed_buckets": list(mixed.token_buckets) if mixed else [], "runs": [], "profile": {}}
-    log(f"== {shape}: graphs {runner is not None}, mixed-step buckets {out['mixed_buckets']}")
+    out = {"mixed_buckets": list(mixed.token_buckets) if mixed else [], "runs": [], "profile": {},
+           "pool_growth_MiB": {k: v / 2**20 for k, v in (runner.pool_growth if runner else {}).items()}}
+    log(f"== {shape}: graphs {runner is not None}, mixed-step buckets {out['mixed_buckets']}; graph "
+        f"pool growth at capture (MiB): {json.dumps({k: round(v, 1) for k, v in out['pool_growth_MiB'].items()})}")
     staggered_run(engine, random_prompts(8, args.prompt_len, vocab, seed=1), 8, 8, 1)  # warm
     modes = (False, True) if mixed is not None else (False,)  # a CPU dry run has no graphs
     try:
@@ -165,7 +172,7 @@ def bench_shape(shape: str, args, device: torch.device) -> dict:
             prof = steady_mixed(engine, vocab, args.concurrency, args.prompt_len, args.profile_steps)
             out["profile"]["on" if on else "off"] = prof
             log(f"  steady mixed step, mixed graphs {'on ' if on else 'off'}: "
-                f"{prof['kernels_per_step']:.0f} kernels, GPU busy {prof['gpu_busy_ms_per_step']:.2f} ms "
+                f"{prof['kernels_per_step']:.0f} kernels ({100 * prof['mixed_share']:.0f} % of steps mixed), GPU busy {prof['gpu_busy_ms_per_step']:.2f} ms "
                 f"of {prof['wall_ms_per_step']:.2f} ms wall (profiled), {prof['step_ms_unprofiled']:.2f} ms "
                 f"per step unprofiled")
     finally:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from inflight.graph_inputs import StaticLayout, Staging
-from inflight.mixed_graph import MixedGraphs, MixedRow, MixedStep
+from inflight.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
 from inflight.model.attention import DecodeBuffers, cdiv
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,9 @@ class CudaGraphRunner:
         if self.mixed is not None:
             grown = self.mixed.capture(kv_caches, self.pool)
             self.pool_growth.update((f"mixed {t}", b) for t, b in grown)
-            logger.info("captured %d mixed-step CUDA graphs; memory pool growth per token bucket: %s",
-                        len(grown), ", ".join(f"{t}: {b / 2**20:.1f} MiB" for t, b in grown))
-        before = torch.cuda.memory_reserved()
+            logger.info("captured %d mixed-step CUDA graphs; graph memory pool growth per token "
+                        "bucket: %s", len(grown), ", ".join(f"{t}: {b / 2**20:.1f} MiB" for t, b in grown))
+        before = pool_bytes()
         for batch_size in reversed(self.batch_sizes):
             bucket = self.buckets[batch_size]
             bucket.pad_all()
@@ -142,9 +142,8 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._forward(bucket)
             bucket.graph = graph
-        torch.cuda.synchronize()
-        self.pool_growth["decode"] = torch.cuda.memory_reserved() - before
-        logger.info("captured %d decode CUDA graphs (batch sizes %s); memory pool growth %.1f MiB",
+        self.pool_growth["decode"] = pool_bytes() - before
+        logger.info("captured %d decode CUDA graphs (batch sizes %s); graph memory pool growth %.1f MiB",
                     len(self.batch_sizes), ", ".join(map(str, self.batch_sizes)),
                     self.pool_growth["decode"] / 2**20)
 

@@ -51,6 +51,14 @@ def mixed_token_buckets(max_num_tokens: int, limit: int = MAX_MIXED_GRAPH_TOKENS
     return tuple(sorted(sizes))
 
 
+def pool_bytes() -> int:
+    """Device memory reserved once the caching allocator's unused blocks are released: what
+    graph pools (which keep theirs while their graphs live) and live tensors hold."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 @dataclass(frozen=True)
 class MixedStep:
     """A staged mixed step, ready to replay."""
@@ -118,13 +126,12 @@ class MixedGraphs:
             bucket = self.buckets[num_tokens]
             bucket.pad_all()
             self._forward(bucket)  # compiles this shape's kernels outside the capture
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_reserved()
+            before = pool_bytes()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(bucket)
             bucket.graph = graph
-            grown.append((num_tokens, torch.cuda.memory_reserved() - before))
+            grown.append((num_tokens, pool_bytes() - before))
         return grown
 
     @torch.inference_mode()

@@ -16,9 +16,11 @@ synchronized waves of an in-process batch. This reproduces that in process:
   median over requests), TTFT p50, the share of mixed steps, median host ms per mixed and per
   decode step. Runs alternate mixed-step graphs off / on (the runtime switch
   `graph_runner.mixed`) on one engine (auto settings: graphs, overlap), `--repeats` each;
-- a steady mixed step (concurrency - 1 decoding rows and one new prompt every step, as through
+- a steady mixed step (concurrency - 2 decoding rows and one new prompt every step, as through
   Triton) under torch.profiler, off and on: kernels per step, GPU busy and wall ms per step,
-  then the same steps timed without the profiler.
+  then the same steps timed without the profiler;
+- batch 1 (one request, prompt-len/tokens), off and on: its prompt alone is a step that a
+  mixed-step graph runs too; decode tok/s and end-to-end tok/s (bench_gpu_runs.run_engine).
 Writes mixed.json to --out (default $OUT or /tmp/bench_gpu_mixed) and prints a table last.
 """
 
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu_runs import (build_hf, free_memory, kernel_summary, make_engine,  # noqa: E402
-                            random_prompts, sync)
+                            random_prompts, run_engine, sync)
 from inflight.executor.types import OutputConfig, Request  # noqa: E402
 
 GENERATED_ONLY = OutputConfig(exclude_input_from_output=True)
@@ -166,6 +168,16 @@ def bench_shape(shape: str, args, device: torch.device) -> dict:
                 out["runs"].append(row)
                 log(f"  staggered c{args.concurrency} mixed graphs {'on ' if on else 'off'}: "
                     + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+        for repeat in range(args.repeats):
+            for on in modes:
+                if runner is not None:
+                    runner.mixed = mixed if on else None
+                run = run_engine(engine, random_prompts(1, args.prompt_len, vocab, seed=7), [args.tokens],
+                                 time.perf_counter() + 60)
+                out.setdefault("batch1", []).append({"mixed_graphs": on, "decode_tok_s": run.decode_tok_s,
+                                                     "e2e_tok_s": run.e2e_tok_s,
+                                                     "first_step_ms": 1e3 * run.first_step_s})
+                log(f"  batch 1 mixed graphs {'on ' if on else 'off'}: {json.dumps(out['batch1'][-1])}")
         for on in modes:
             if runner is not None:
                 runner.mixed = mixed if on else None
@@ -203,6 +215,13 @@ def table(results: dict, args) -> str:
                          f"| {prof.get('step_ms_unprofiled', float('nan')):.2f} |")
         on = [r["tok_s"] for r in res["runs"] if r["mixed_graphs"]]
         off = [r["tok_s"] for r in res["runs"] if not r["mixed_graphs"]]
+        for mode in (False, True):
+            b1 = [r for r in res.get("batch1", []) if r["mixed_graphs"] == mode]
+            if b1:
+                lines.append(f"{shape} batch 1, mixed graphs {'on' if mode else 'off'}: decode tok/s "
+                             f"{[round(r['decode_tok_s']) for r in b1]}, e2e tok/s "
+                             f"{[round(r['e2e_tok_s']) for r in b1]}, first step ms "
+                             f"{[round(r['first_step_ms'], 2) for r in b1]}")
         if on and off:
             lines.append(f"{shape}: tok/s on/off {statistics.median(on) / statistics.median(off):.2f}x "
                          f"(runs on {[round(v) for v in on]}, off {[round(v) for v in off]})")

@@ -22,8 +22,9 @@ pool: a smaller bucket's activations reuse the larger one's blocks, so the pool 
 one largest step (logged per bucket at start-up). Capture needs the real KV cache (its
 addresses are baked into the graphs), so it runs after the cache is allocated; the static
 buffers are allocated before the KV cache is sized. Steps longer than the largest mixed
-bucket, steps that keep prompt logits, and all but decode steps without mixed graphs, stay eager. A runner that has not
-captured (a CPU, in tests) runs the same bodies eagerly over the same static buffers.
+bucket, steps that keep prompt logits, and (mixed graphs off) all but decode steps stay
+eager. A runner that has not captured (a CPU, in tests) runs the same bodies eagerly over
+the same static buffers.
 """
 
 from __future__ import annotations

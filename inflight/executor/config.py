@@ -84,8 +84,8 @@ class ExtendedRuntimePerfKnobConfig:
 
     `cuda_graph_mode` replays decode steps from CUDA graphs captured at start-up, one per
     decode batch-size bucket (`cuda_graph_batch_sizes`); a step of B rows runs in the smallest
-    captured bucket >= B, padded, and larger or mixed steps run eagerly. It needs an attention
-    backend with `supports_cuda_graphs` and is ignored on a CPU. None (pbtxt "auto", our
+    captured bucket >= B, padded (larger and mixed steps: `cuda_graph_mixed_steps`). It needs
+    an attention backend with `supports_cuda_graphs` and is ignored on a CPU. None (pbtxt "auto", our
     default) turns it on wherever it can run: users of this engine expect the fast path
     without tuning, while TensorRT-LLM's default (false) would leave small models launch-bound;
     write false for eager decode (debugging, profiling single kernels).

@@ -7,7 +7,7 @@ Life of a step with backend `b`:
     meta = b.build_metadata(step)                                # once per step, backend-private
     out = b.forward(q, k, v, kv_cache, meta, scale)              # every layer
 
-Under CUDA graphs (decode steps only) the graph runner instead, once at start-up,
+Under CUDA graphs (decode steps; mixed steps below) the graph runner instead, once at start-up,
     b.init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
     meta = b.graph_metadata(buffers)            # over one bucket's static `DecodeBuffers`
 and captures `forward` over `meta`. Before every replay the runner rewrites the static buffers

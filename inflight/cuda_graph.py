@@ -6,9 +6,10 @@ one per token bucket, optional), their one memory pool and the logits buffer the
 A decode step (every row one new token, every row sampled) of B rows runs in the graph of the
 smallest captured bucket Bp >= B. Every graph was captured over views of one static input
 buffer (`arena`, `graph_inputs.StaticLayout`), laid out once for the largest bucket Bmax and
-shared by all buckets (bucket Bp uses the first Bp entries of each field), so a step is: fill a pinned host copy of that layout, ONE host -> device copy of its first
-bytes (up to the end of row Bp - 1 of the block tables), patch the ids still on the device
-(overlapped steps: `pending_*`, two small kernels), replay. Rows B..Bp-1 are padding: slot -1
+shared by all buckets (bucket Bp uses the first Bp entries of each field), so a step is: fill
+a pinned host copy of that layout, ONE host -> device copy of its first bytes (up to the end
+of row Bp - 1 of the block tables), patch the ids still on the device (overlapped steps:
+`pending_*`, two small kernels), replay. Rows B..Bp-1 are padding: slot -1
 (nothing stored), seq_len 0 (nothing read), token 0. The graph ends with the LM head writing
 logits [Bp, vocab] into one static buffer that every bucket shares (one graph replays at a
 time); the sampler reads rows [:B] after it.

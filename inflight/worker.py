@@ -259,8 +259,9 @@ class Worker:
         runner = self.graph_runner
         if (not context_logits and runner is not None
                 and runner.mixed_bucket_for(batch.num_tokens, len(batch.scheduled)) is not None):
-            graph_step = runner.stage_mixed([(s.start_position, s.seq.token_ids[s.start_position:s.context_len],
-                                              s.is_sampled, s.seq.block_table) for s in batch.scheduled])
+            graph_step = runner.stage_mixed([
+                (s.start_position, s.seq.token_ids[s.start_position:s.context_len], s.is_sampled,
+                 s.seq.block_table) for s in batch.scheduled])
             return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
         input_ids: list[int] = []
         row_starts: list[int] = []  # each row's first token in input_ids

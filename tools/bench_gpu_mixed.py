@@ -154,7 +154,8 @@ def bench_shape(shape: str, args, device: torch.device) -> dict:
     out = {"mixed_buckets": list(mixed.token_buckets) if mixed else [], "runs": [], "profile": {},
            "pool_growth_MiB": {k: v / 2**20 for k, v in (runner.pool_growth if runner else {}).items()}}
     log(f"== {shape}: graphs {runner is not None}, mixed-step buckets {out['mixed_buckets']}; graph "
-        f"pool growth at capture (MiB): {json.dumps({k: round(v, 1) for k, v in out['pool_growth_MiB'].items()})}")
+        f"pool growth at capture (MiB): "
+        f"{json.dumps({k: round(v, 1) for k, v in out['pool_growth_MiB'].items()})}")
     staggered_run(engine, random_prompts(8, args.prompt_len, vocab, seed=1), 8, 8, 1)  # warm
     modes = (False, True) if mixed is not None else (False,)  # a CPU dry run has no graphs
     try:
@@ -184,7 +185,8 @@ def bench_shape(shape: str, args, device: torch.device) -> dict:
             prof = steady_mixed(engine, vocab, args.concurrency, args.prompt_len, args.profile_steps)
             out["profile"]["on" if on else "off"] = prof
             log(f"  steady mixed step, mixed graphs {'on ' if on else 'off'}: "
-                f"{prof['kernels_per_step']:.0f} kernels ({100 * prof['mixed_share']:.0f} % of steps mixed), GPU busy {prof['gpu_busy_ms_per_step']:.2f} ms "
+                f"{prof['kernels_per_step']:.0f} kernels ({100 * prof['mixed_share']:.0f} % of steps "
+                f"mixed), GPU busy {prof['gpu_busy_ms_per_step']:.2f} ms "
                 f"of {prof['wall_ms_per_step']:.2f} ms wall (profiled), {prof['step_ms_unprofiled']:.2f} ms "
                 f"per step unprofiled")
     finally:
@@ -207,7 +209,8 @@ def table(results: dict, args) -> str:
                 continue
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], float)}
             prof = res["profile"].get("on" if on else "off", {})
-            lines.append(f"| {shape} | {'on' if on else 'off'} | {med['tok_s']:.0f} | {med['itl_p50_ms']:.2f} "
+            lines.append(f"| {shape} | {'on' if on else 'off'} | {med['tok_s']:.0f} "
+                         f"| {med['itl_p50_ms']:.2f} "
                          f"| {med['ttft_p50_ms']:.1f} | {100 * med['mixed_step_share']:.0f} % "
                          f"| {med['mixed_step_ms']:.2f} | {med['decode_step_ms']:.2f} "
                          f"| {prof.get('kernels_per_step', float('nan')):.0f} "

@@ -1,6 +1,6 @@
 """The CUDA-graph runner's static inputs (decode and mixed steps): staging layout, padding rows
-and tokens, tokens still on the device, the LM head into the shared logits buffer. Without CUDA the runner runs the captured
-body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
+and tokens, tokens still on the device, the LM head into the shared logits buffer. Without
+CUDA the runner runs the captured body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
 graph replays; with CUDA (tools/gpu_check.sh) the graphs are captured and replayed."""
 
 from __future__ import annotations

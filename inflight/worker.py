@@ -38,6 +38,7 @@ import torch
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
 from inflight.cuda_graph import CudaGraphRunner, GraphStep, MixedStep
+from inflight.fatal_errors import EngineFatalError
 from inflight.distributed.group import TensorParallel
 from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
@@ -227,7 +228,6 @@ class Worker:
         try:  # step fails here, before the other ranks are told to run it
             self.ranks.send_step(plan)
         except Exception as exc:  # a rank is gone: no step can run any more
-            from inflight.engine import EngineFatalError  # the engine imports this module
             raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
         return self._run(step)
 

@@ -115,7 +115,6 @@ class MixedGraphs:
         self._staging = [Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
         self._num_staged = 0
         self.kv_caches: list[torch.Tensor] | None = None
-        self.num_replays = 0
 
     def capture(self, kv_caches: list[torch.Tensor], pool) -> list[tuple[int, int]]:
         """Warms up and captures every bucket, largest first, into `pool`; returns
@@ -153,7 +152,6 @@ class MixedGraphs:
             bucket.graph.replay()
         else:
             self._forward(bucket)
-        self.num_replays += 1
         return self.logits[:step.num_sampled]
 
     def bucket_for(self, num_tokens: int, num_rows: int) -> int | None:

@@ -309,7 +309,8 @@ class Worker:
             graph_step = runner.stage_plan(plan)
             return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
                              num_sampled)
-        if runner is not None and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows):
+        if (runner is not None
+                and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None):
             graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled,
                                                      plan.block_tables)))
             return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,

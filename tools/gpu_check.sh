@@ -15,7 +15,7 @@
 #   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
 #                                       # at batch 1/64/256, kernels per step, GPU busy vs wall
 #   bash tools/gpu_check.sh tune        # jit then profile (~6 min)
-#   bash tools/gpu_check.sh mixed       # ~6 min: mixed-step graphs: their kernel and runner tests
+#   bash tools/gpu_check.sh mixed       # ~3.5 min: mixed-step graphs: their kernel and runner tests
 #                                       # compiled, parity (staggered paths), the staggered-arrival
 #                                       # bench (tools/bench_gpu_mixed.py), jit on the 1B shape
 #

@@ -42,12 +42,12 @@ from inflight.fatal_errors import EngineFatalError
 from inflight.distributed.group import TensorParallel
 from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
+from inflight.mixed_graph import mixed_token_buckets
 from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
                                       resolve_attention_backend)
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import check_divisible, shard_config
-from inflight.mixed_graph import mixed_token_buckets
 from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, default_max_num_tokens,
                                overlaps_steps, resolve_device, resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile

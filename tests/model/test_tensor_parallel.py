@@ -149,6 +149,7 @@ def test_tp2_with_the_cuda_start_up_and_step_paths(checkpoint, monkeypatch, tmp_
     try:
         worker = engine.worker
         assert worker.overlap and worker.graph_runner is not None and worker.backend.name == "triton"
+        assert worker.graph_runner.mixed is not None  # mixed steps from static buffers too
         got = run(engine, requests())
     finally:
         start = time.monotonic()

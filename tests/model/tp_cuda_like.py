@@ -1,10 +1,10 @@
 """A tensor-parallel rank on the CPU that runs the start-up and step protocol of a CUDA rank.
 
 On CUDA every rank runs, besides the steps rank 0 sends: the warm-up step at the largest batch
-(KV cache sizing), the decode-graph capture (one eager forward per bucket, with the model's
-collectives, before each capture), the precompile steps (CUDA + Triton backend), and decode
-steps replayed from the graph runner's static buffers; overlapped steps broadcast the sampled
-ids. On the CPU none of that runs by default. `apply` forces each of them on, in a CUDA rank's
+(KV cache sizing), the graph capture (one eager forward per mixed-step and decode bucket, with
+the model's collectives, before each capture), the precompile steps (CUDA + Triton backend),
+and decode and mixed steps replayed from the graph runner's static buffers; overlapped steps
+broadcast the sampled ids. On the CPU none of that runs by default. `apply` forces each of them on, in a CUDA rank's
 order, over the Triton attention backend under its interpreter (the graph runner's backend):
 the runner's un-captured path is the captured body run eagerly over the same static buffers.
 The test config turns `enable_overlap_scheduler` on itself (it travels to the other ranks).
@@ -40,9 +40,15 @@ TRACE: list[list] = []  # this process's collectives, in order
 
 
 def _capture_eagerly(self: CudaGraphRunner, kv_caches) -> None:
-    """`capture` without CUDA: the eager forward per bucket, largest first, that capture runs
-    before each graph (the capture itself communicates nothing; its replays do, like this)."""
+    """`capture` without CUDA: the eager forward per bucket, largest first (mixed-step token
+    buckets, then decode batch buckets), that capture runs before each graph (the capture
+    itself communicates nothing; its replays do, like these un-captured buckets' runs)."""
     self.bind(kv_caches)
+    mixed = getattr(self, "mixed", None)
+    if mixed is not None:
+        for num_tokens in reversed(mixed.token_buckets):
+            mixed.buckets[num_tokens].pad_all()
+            mixed._forward(mixed.buckets[num_tokens])
     for batch_size in reversed(self.batch_sizes):
         bucket = self.buckets[batch_size]
         bucket.pad_all()

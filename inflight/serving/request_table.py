@@ -3,8 +3,14 @@
 `tensorrt_llm/1/model.py` converts tensors and hands each Triton request here with its response
 sender. The table gives every batch row a stub id, submits the rows to the engine
 (`inflight.serving.engine_client`) and sends what comes back through a `Sink` (the adapter's
-`pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`),
-one cancellation poller (`poll_cancelled`) and the adapter's housekeeping (`tick`).
+`pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`)
+and the adapter's timers (cancellation polls, housekeeping).
+
+One thread talks to Triton: every call on a response sender (sends, `is_cancelled`) runs on
+the responder. Other threads `post` that work (an error answer from `execute`, a poll, a drain
+tick) and the responder runs it between engine turns, woken at once. A send is a synchronous
+round trip to the server, and two threads sending at once (for one request or two) was the
+prime suspect of issue 13's heap corruption; with one thread no two sends ever overlap.
 
 Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
 of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
@@ -24,6 +30,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +116,8 @@ class RequestTable:
         self.dead_message: str | None = None
         self.latest_stats = None
         self.held: dict[int, list[Response]] = {}  # stub id -> responses kept back (responder)
+        self.posted: deque = deque()  # work for the responder thread (`post`)
+        self._wake = getattr(engine, "wake", None)
 
     # ----- requests in ---------------------------------------------------------------------
 
@@ -175,9 +184,12 @@ class RequestTable:
 
     def poll_cancelled(self) -> None:
         """Cancel the requests whose client cancelled (direct calls; see delivery for the
-        ensemble's)."""
+        ensemble's). Responder thread only (`post` it). Streams the detokenizer acknowledges
+        are not asked: they run in an ensemble, whose client's cancellation Triton does not pass
+        to this step (the detokenizer relays it), and each question is a round trip to the
+        server."""
         with self.lock:
-            live = set(self.by_stub_id.values())
+            live = {p for p in self.by_stub_id.values() if not self.delivery.is_tracked(p.key)}
         for pending in live:
             with pending.lock:
                 if pending.is_done or pending.is_client_cancelled:
@@ -188,11 +200,30 @@ class RequestTable:
 
     # ----- responses out -------------------------------------------------------------------
 
+    def post(self, work) -> None:
+        """Any thread: have the responder run `work()` (calls on response senders), in order."""
+        self.posted.append(work)
+        if self._wake is not None:
+            self._wake()
+
+    def run_posted(self) -> None:
+        """The responder (or, once it has stopped, `close`): run the work posted so far."""
+        while self.posted:
+            work = self.posted.popleft()
+            try:
+                work()
+            except Exception as exc:  # one failed answer must not stop the others
+                self.sink.warn(f"answering a request failed: {type(exc).__name__}: {exc}")
+
     def respond(self, timeout_s: float) -> None:
-        """Take every engine event waiting (or wait up to `timeout_s` for one) and send."""
+        """Run posted work, take every engine event waiting (or wait up to `timeout_s` for one,
+        or for a `post`) and send."""
+        self.run_posted()
         by_row, self.held = self.held, {}
         dead = None
-        for event in self.engine.receive(min(timeout_s, HELD_POLL_S) if by_row else timeout_s):
+        if by_row or (self._wake is None and timeout_s > HELD_POLL_S):
+            timeout_s = min(timeout_s, HELD_POLL_S)  # no wake-up: look at posted work often
+        for event in self.engine.receive(0 if self.posted else timeout_s):
             if event[0] == "step":
                 for stub_id, response in event[1]:
                     by_row.setdefault(stub_id, []).append(response)
@@ -213,6 +244,7 @@ class RequestTable:
         if dead is not None:
             self.dead_message = dead
             self.fail_all(dead, INTERNAL)
+        self.run_posted()
 
     def _may_wait(self, stub_id: int, response: Response) -> bool:
         if response.has_error() or response.result.is_final:
@@ -333,6 +365,8 @@ class RequestTable:
                 self.sink.warn(f"answering a drain request failed: {exc}")
 
     def close(self) -> None:
+        """After the responder has stopped: answer what was posted, then end everything."""
+        self.run_posted()
         self.fail_all("the model is being unloaded", UNAVAILABLE)
         with self.lock:
             waiters = self.drain.take_waiters()

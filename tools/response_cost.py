@@ -105,8 +105,12 @@ def model_stats(http_url: str) -> dict[str, dict]:
 
 def counts(http_url: str) -> dict[str, int]:
     stats = model_stats(http_url)
-    return {"requests": stats["ensemble"]["inference_stats"]["success"]["count"],
-            "responses": stats["postprocessing"]["inference_count"]}
+    out = {"requests": stats["ensemble"]["inference_stats"]["success"]["count"],
+           "responses": stats["postprocessing"]["inference_count"]}
+    for model in ("tensorrt_llm", "postprocessing"):  # queue time per request (ns)
+        out[f"{model}_queue_ns"] = stats[model]["inference_stats"]["queue"]["ns"]
+        out[f"{model}_queued"] = stats[model]["inference_stats"]["queue"]["count"]
+    return out
 
 
 def wait_idle(http_url: str, timeout_s: float = 60) -> None:
@@ -190,9 +194,13 @@ def measure_level(server, pids, binary, inputs, concurrency, args, idle_rate, wo
         profile.wait()
         if profile_out.exists():
             summarize_profile(profile_out)
+    queue_ms = {model: (after[f"{model}_queue_ns"] - before[f"{model}_queue_ns"]) / 1e6
+                / max(1, after[f"{model}_queued"] - before[f"{model}_queued"])
+                for model in ("tensorrt_llm", "postprocessing")}
     return {"concurrency": concurrency, "requests": requests, "responses": responses,
             "tokens_per_response": requests * args.output_tokens / max(responses, 1),
-            "responses_per_s": responses / wall_s, "load_average": load, "us": us}
+            "responses_per_s": responses / wall_s, "load_average": load, "us": us,
+            "queue_ms": queue_ms}
 
 
 def print_level(level: dict) -> None:
@@ -201,7 +209,8 @@ def print_level(level: dict) -> None:
     total = sum(us.values())
     print(f"  c={level['concurrency']:<3} {level['responses']:>6} responses ({level['requests']} requests, "
           f"{level['tokens_per_response']:.2f} tokens/response), {level['responses_per_s']:7.0f}/s at "
-          f"load {level['load_average']:.1f}\n"
+          f"load {level['load_average']:.1f}; queue ms per request: tensorrt_llm "
+          f"{level['queue_ms']['tensorrt_llm']:.1f}, postprocessing {level['queue_ms']['postprocessing']:.1f}\n"
           f"        CPU us per response: {cells}  total {total:6.1f} "
           f"(= {1e6 / total if total else float('nan'):.0f} responses per CPU-second)", flush=True)
 

@@ -83,11 +83,6 @@ class DeliveryTracker:
         stream = self._streams.get(key)
         return stream is not None and stream.is_tracked and bool(stream.unacked)
 
-    def is_tracked(self, key: int) -> bool:
-        """Has the detokenizer acknowledged a chunk of this stream (it runs in an ensemble)?"""
-        stream = self._streams.get(key)
-        return stream is not None and stream.is_tracked
-
     def is_behind(self, now_s: float, lag_s: float) -> bool:
         """Has a chunk waited at the detokenizer for more than `lag_s` (acknowledgements take
         up to their period to come, so `lag_s` must be longer)?"""

@@ -6,11 +6,13 @@ sender. The table gives every batch row a stub id, submits the rows to the engin
 `pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`)
 and the adapter's timers (cancellation polls, housekeeping).
 
-One thread talks to Triton: every call on a response sender (sends, `is_cancelled`) runs on
-the responder. Other threads `post` that work (an error answer from `execute`, a poll, a drain
-tick) and the responder runs it between engine turns, woken at once. A send is a synchronous
-round trip to the server, and two threads sending at once (for one request or two) was the
-prime suspect of issue 13's heap corruption; with one thread no two sends ever overlap.
+One thread sends: every response goes out from the responder. Other threads `post` their
+sends (an error or stop answer from `execute`, a drain tick) and the responder runs them
+between engine turns, woken at once. A send is a synchronous round trip to the server, and two
+threads sending at once (for one request or two) was the prime suspect of issue 13's heap
+corruption; with one thread no two sends ever overlap. The poller only asks `is_cancelled`,
+under the request's lock, never after its final was sent (posting its many questions here
+would hold up the responses).
 
 Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
 of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
@@ -184,12 +186,9 @@ class RequestTable:
 
     def poll_cancelled(self) -> None:
         """Cancel the requests whose client cancelled (direct calls; see delivery for the
-        ensemble's). Responder thread only (`post` it). Streams the detokenizer acknowledges
-        are not asked: they run in an ensemble, whose client's cancellation Triton does not pass
-        to this step (the detokenizer relays it), and each question is a round trip to the
-        server."""
+        ensemble's)."""
         with self.lock:
-            live = {p for p in self.by_stub_id.values() if not self.delivery.is_tracked(p.key)}
+            live = set(self.by_stub_id.values())
         for pending in live:
             with pending.lock:
                 if pending.is_done or pending.is_client_cancelled:
@@ -200,8 +199,11 @@ class RequestTable:
 
     # ----- responses out -------------------------------------------------------------------
 
-    def post(self, work) -> None:
-        """Any thread: have the responder run `work()` (calls on response senders), in order."""
+    def post(self, work, once: bool = False) -> None:
+        """Any thread: have the responder run `work()` (sends), in order. `once`: not if an
+        equal `work` is still waiting (a timer's, when the responder is slow)."""
+        if once and work in self.posted:
+            return
         self.posted.append(work)
         if self._wake is not None:
             self._wake()

@@ -252,13 +252,13 @@ def test_a_failing_posted_answer_does_not_stop_the_next(table):
     assert sender.sent == [("final", None, True)]
 
 
-def test_streams_the_detokenizer_acknowledges_are_not_polled(table):
-    ensemble, [row_ensemble] = add(table)
-    direct, [row_direct] = add(table)
-    key = next(p.key for p in table.by_key.values() if p.sender is ensemble)
-    table.engine.events = [("step", [(row_ensemble, chunk(row_ensemble, [1]))], None)]
+
+def test_a_timer_posts_its_work_once_while_it_waits(table):
+    runs = []
+    work = lambda: runs.append(1)  # noqa: E731
+    table.post(work, once=True)
+    table.post(work, once=True)
     table.respond(0)
-    table.ack({key: 1}, None)
-    ensemble.cancelled = direct.cancelled = True  # only a direct client's is ever seen
-    table.poll_cancelled()
-    assert table.engine.cancelled == [row_direct]
+    table.post(work, once=True)
+    table.respond(0)
+    assert runs == [1, 1]

@@ -6,7 +6,8 @@ tensorrtllm) and `engine_process` (true: the engine runs in a process of its own
 stub's interpreter lock; false: in a thread here, as the tensorrtllm backend always does).
 
 `execute` converts and hands each request to `inflight.serving.request_table`, then returns.
-Threads: a responder sends the engine's responses, a poller cancels requests whose client
+Threads: a responder makes every send (the engine's responses, and what the others post to
+it: `execute`'s error and stop answers, drain ticks), a poller cancels requests whose client
 cancelled (every `cancellation_check_period_ms`), and a housekeeper publishes the metrics,
 drives a shutdown drain and unloads the model once its engine has died.
 
@@ -95,11 +96,10 @@ class TritonPythonModel:
         self.published_stats = None
         self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)
         self.stopping = threading.Event()
-        # Only the responder calls response senders; the timers post their work to it.
+        # Only the responder sends; the poller only asks (guarded against a final being sent).
         self.threads = [threading.Thread(target=self._respond, daemon=True),
-                        threading.Thread(target=self._every, args=(
-                            self.cancel_period_s, lambda: self.table.post(self.table.poll_cancelled)),
-                                         daemon=True),
+                        threading.Thread(target=self._every, args=(self.cancel_period_s,
+                                                                   self.table.poll_cancelled), daemon=True),
                         threading.Thread(target=self._every, args=(self.stats_period_s, self._housekeep),
                                          daemon=True)]
         for thread in self.threads:
@@ -197,11 +197,11 @@ class TritonPythonModel:
 
     def _housekeep(self):
         self._unload_if_dead()
-        self.table.post(self.table.tick)  # it may answer and fail requests
+        self.table.post(self.table.tick, once=True)  # it may answer and fail requests
         stats = self.table.latest_stats
         if stats is not None and stats is not self.published_stats:  # each set is a round trip
             self.published_stats = stats
-            self.table.post(functools.partial(self.metrics.publish, stats))
+            self.metrics.publish(stats)
 
     def _unload_if_dead(self):
         """A dead engine must not look ready: unload this model (and the ensemble using it)."""

@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
-	test-numerics bench bench-serving bench-openai reliability gpu-smoke nvidia-clients clean
+	test-numerics bench bench-serving bench-openai response-cost reliability gpu-smoke nvidia-clients clean
 
 setup: $(VENV)/.installed
 
@@ -93,6 +93,12 @@ bench: model
 BENCH_SERVING_ARGS ?=
 bench-serving: model
 	$(PY) tools/bench_serving.py --model $(MODEL) $(BENCH_SERVING_ARGS)
+
+# CPU µs per streamed response in each serving process (tiny random model; tools/response_cost.py).
+# Extra flags: RESPONSE_COST_ARGS="--concurrency 64 --duration-s 30 --profile tensorrt_llm"
+RESPONSE_COST_ARGS ?=
+response-cost: model
+	$(PY) tools/response_cost.py $(RESPONSE_COST_ARGS)
 
 bench-openai: model
 	$(PY) tools/bench_openai.py --model $(MODEL)

@@ -157,6 +157,8 @@ def _words(inputs, name: str, row: int) -> list[list[int]] | None:
 def _beams(rows: list[list], dtype, pad) -> np.ndarray:
     """Per-beam lists → `[1, beam, longest]`, shorter beams padded with `pad` (NVIDIA: -1)."""
     width = max((len(r) for r in rows), default=0)
+    if all(len(r) == width for r in rows):  # the usual case (one beam): one call, no padding
+        return np.array([rows], dtype=dtype).reshape(1, len(rows), width)
     out = np.full((1, len(rows), width), pad, dtype=dtype)
     for beam, values in enumerate(rows):
         out[0, beam, :len(values)] = values
@@ -171,7 +173,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
     """Output tensors for one executor response, in NVIDIA's shapes (batch dimension 1)."""
     result = response.result
     options = row.options
-    beams = [list(b) for b in result.output_token_ids]
+    beams = result.output_token_ids  # read only
     # Streamed beams carry all their tokens (TensorRT-LLM re-sends re-ranked beams whole).
     deltas = options.streaming and options.beam_width == 1
     context = row.context_ids.get(result.sequence_index, []) if deltas else []
@@ -184,7 +186,7 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
         "request_key": _one(row.request_key, np.uint64),
     }
     if deltas:
-        row.context_ids[result.sequence_index] = (context + beams[0])[-CONTEXT_TOKENS:]
+        row.context_ids[result.sequence_index] = (context + list(beams[0]))[-CONTEXT_TOKENS:]
     if options.return_log_probs:
         log_probs = [list(lp) for lp in result.log_probs] if result.log_probs else [[] for _ in beams]
         if not options.streaming and not options.exclude_input:

@@ -4,7 +4,8 @@ stub (`InProcessEngine`, for `executor_backend: tensorrtllm` and `engine_process
 Both offer the same calls to `inflight.serving.request_table`:
     submit(rows)        rows: [(stub_id, Request)] of one Triton request, admitted all or none
     cancel(stub_ids)
-    receive(timeout_s)  every event waiting (or the first to arrive within the timeout):
+    receive(timeout_s)  every event waiting (or the first to arrive within the timeout, or
+                        until `wake`, where the engine has it):
         ("step", [(stub_id, Response)], IterationStats | None)
         ("rejected", [stub_id], kind, message)    kind: wire.QUEUE_FULL | wire.INVALID | ...
         ("dead", message)                         the engine stopped; nothing more will come
@@ -30,6 +31,7 @@ import zmq
 
 from inflight.serving import metrics, wire
 from inflight.serving.engine_process import COMMANDS, EVENTS, endpoint
+from inflight.serving.stub_ids import StubIds
 
 STARTUP_TIMEOUT_S = 1800  # loading and warming a large model on a GPU takes minutes
 SHUTDOWN_TIMEOUT_S = 10
@@ -67,6 +69,13 @@ class EngineProcess:
         self.events.bind(endpoint(self.run_dir, EVENTS))
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self.dead_message: str | None = None
+        # `wake` makes a waiting `receive` return at once (work was posted for its thread).
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.events, zmq.POLLIN)
+        self.poller.register(self.wake_r, zmq.POLLIN)
         env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_CONTROL_SECRET"}
         self.process = subprocess.Popen([python_executable(), "-m", "inflight.serving.engine_process",
                                          str(self.run_dir)], env=env, stdin=subprocess.DEVNULL)
@@ -106,12 +115,27 @@ class EngineProcess:
         with self.send_lock:
             self.commands.send(data)
 
+    def wake(self) -> None:
+        """Any thread: end the current (or next) `receive` wait now."""
+        try:
+            os.write(self.wake_w, b"w")
+        except (BlockingIOError, OSError):  # a wake is pending already, or shut down
+            pass
+
     def receive(self, timeout_s: float) -> list[tuple]:
-        """Events waiting now, or the first to arrive within `timeout_s`. Called by one thread."""
+        """Events waiting now, or the first to arrive within `timeout_s` (or until `wake`).
+        Called by one thread."""
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.wake_r in ready:
+            try:
+                while os.read(self.wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
         if self.dead_message is not None:
             return []
         events = []
-        if self.events.poll(int(timeout_s * 1000)):
+        if self.events in ready:
             while True:
                 try:
                     events.append(self._event(wire.unpack(self.events.recv(zmq.NOBLOCK))))
@@ -148,6 +172,8 @@ class EngineProcess:
         self.commands.close()
         self.events.close()
         self.context.term()
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
@@ -158,8 +184,7 @@ class InProcessEngine:
     def __init__(self, executor):
         self.executor = executor
         self.local: queue.SimpleQueue = queue.SimpleQueue()  # rejections, answered at once
-        self.stub_ids: dict[int, int] = {}  # executor id -> stub id
-        self.executor_ids: dict[int, int] = {}
+        self.ids = StubIds()  # executor request id <-> stub id
         self.lock = threading.Lock()
         self.dead_message: str | None = None
         self.last_stats_s = 0.0
@@ -171,7 +196,7 @@ class InProcessEngine:
             with self.lock:
                 ids = self.executor.enqueue_requests([r for _, r in rows])
                 for (stub_id, _), executor_id in zip(rows, ids):
-                    self.stub_ids[executor_id], self.executor_ids[stub_id] = stub_id, executor_id
+                    self.ids.add(executor_id, stub_id)
         except RequestError as exc:
             kind = wire.QUEUE_FULL if isinstance(exc, QueueFullError) else wire.INVALID
             self.local.put(("rejected", [s for s, _ in rows], kind, str(exc)))
@@ -180,25 +205,18 @@ class InProcessEngine:
 
     def cancel(self, stub_ids: list[int]) -> None:
         with self.lock:
-            ids = [self.executor_ids[s] for s in stub_ids if s in self.executor_ids]
+            ids = [self.ids.engine_id(s) for s in stub_ids]
         for executor_id in ids:
-            self.executor.cancel_request(executor_id)
+            if executor_id is not None:
+                self.executor.cancel_request(executor_id)
 
     def receive(self, timeout_s: float) -> list[tuple]:
         events = []
         while not self.local.empty():
             events.append(self.local.get())
         responses = self.executor.await_responses(timeout=0 if events else timeout_s)
-        items = []
         with self.lock:
-            for response in responses:
-                stub_id = self.stub_ids.get(response.request_id)
-                if stub_id is None:
-                    continue
-                if response.has_error() or response.result.is_final:
-                    del self.stub_ids[response.request_id]
-                    self.executor_ids.pop(stub_id, None)
-                items.append((stub_id, response))
+            items = self.ids.route(responses)
         stats = self.executor.get_latest_iteration_stats()
         latest = stats[-1] if stats else None
         now = time.monotonic()

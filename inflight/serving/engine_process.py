@@ -32,6 +32,7 @@ from pathlib import Path
 import zmq
 
 from inflight.serving import metrics, wire
+from inflight.serving.stub_ids import StubIds
 
 logger = logging.getLogger("inflight.engine_process")
 
@@ -76,8 +77,7 @@ class EngineLoop:
         self.events = events
         self.stats_period_s = stats_period_s
         self.parent_pid = parent_pid
-        self.stub_ids: dict[int, int] = {}  # engine request id -> stub id
-        self.engine_ids: dict[int, int] = {}  # stub id -> engine request id
+        self.ids = StubIds()
         self.last_stats_s = 0.0
         self.stats_dirty = True  # something changed since the last stats sent
         self.has_stepped = False  # a step ran since the last idle snapshot
@@ -130,18 +130,18 @@ class EngineLoop:
                 request.client_id = stub_id
                 engine_id = self.engine.add_request(request)
                 added.append(engine_id)
-                self.stub_ids[engine_id], self.engine_ids[stub_id] = stub_id, engine_id
+                self.ids.add(engine_id, stub_id)
         except Exception as exc:
             for engine_id in added:
                 self.engine.cancel(engine_id)
-                self.engine_ids.pop(self.stub_ids.pop(engine_id), None)
+                self.ids.forget(engine_id)
             kind = (wire.QUEUE_FULL if isinstance(exc, QueueFullError)
                     else wire.INVALID if isinstance(exc, RequestError) else "internal")
             message = str(exc) if kind != "internal" else f"{type(exc).__name__}: {exc}"
             self._send([wire.REJECTED, [stub_id for stub_id, _ in rows], kind, message])
 
     def _cancel(self, stub_id: int, out: list) -> None:
-        engine_id = self.engine_ids.get(stub_id)
+        engine_id = self.ids.engine_id(stub_id)
         if engine_id is not None:
             response = self.engine.cancel(engine_id)
             if response is not None:
@@ -150,15 +150,7 @@ class EngineLoop:
     # ----- events --------------------------------------------------------------------------
 
     def _publish(self, responses: list) -> None:
-        items = []
-        for response in responses:
-            stub_id = self.stub_ids.get(response.request_id)
-            if stub_id is None:
-                continue
-            if response.has_error() or response.result.is_final:
-                del self.stub_ids[response.request_id]
-                self.engine_ids.pop(stub_id, None)
-            items.append([stub_id, wire.response_to_wire(response)])
+        items = [[stub_id, wire.response_to_wire(r)] for stub_id, r in self.ids.route(responses)]
         now = time.monotonic()
         stats = None
         if self.stats_dirty and now - self.last_stats_s >= self.stats_period_s:

@@ -88,6 +88,7 @@ class TritonMetrics:
     def __init__(self, pb_utils, model_name: str, model_version, log_warn):
         self.labels = {"model": model_name, "version": str(model_version)}
         self.gauges, self.histograms, self.families, self.metrics = {}, {}, [], {}
+        self.values: dict[tuple[str, str], float] = {}  # as last set
         try:
             for name, (label_key, description) in GAUGE_FAMILIES.items():
                 family = pb_utils.MetricFamily(name=name, description=description,
@@ -115,10 +116,13 @@ class TritonMetrics:
             return
         for (family_name, label), value in gauge_values(stats).items():
             key = (family_name, label)
+            if self.values.get(key) == value:  # each set is a round trip to the server
+                continue
             if key not in self.metrics:
                 family, label_key = self.gauges[family_name]
                 self.metrics[key] = family.Metric(labels={**self.labels, label_key: label})
             self.metrics[key].set(value)
+            self.values[key] = value
 
     def close(self) -> None:
         """Release every metric, then every family, while the stub's shared memory still

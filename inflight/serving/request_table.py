@@ -7,6 +7,14 @@ sender. The table gives every batch row a stub id, submits the rows to the engin
 one cancellation poller (`poll_cancelled`: client cancels and `timeout`s, see
 `inflight.serving.deadlines`) and the adapter's housekeeping (`tick`).
 
+One thread sends: every response goes out from the responder. Other threads `post` their
+sends (an error or stop answer from `execute`, a drain tick) and the responder runs them
+between engine turns, woken at once. A send is a synchronous round trip to the server, and two
+threads sending at once (for one request or two) was the prime suspect of issue 13's heap
+corruption; with one thread no two sends ever overlap. The poller only asks `is_cancelled`,
+under the request's lock, never after its final was sent (posting its many questions here
+would hold up the responses).
+
 Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
 of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
 sends at most one response per row, all rows of those engine steps together. A stream that
@@ -25,6 +33,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +120,8 @@ class RequestTable:
         self.dead_message: str | None = None
         self.latest_stats = None
         self.held: dict[int, list[Response]] = {}  # stub id -> responses kept back (responder)
+        self.posted: deque = deque()  # work for the responder thread (`post`)
+        self._wake = getattr(engine, "wake", None)
 
     # ----- requests in ---------------------------------------------------------------------
 
@@ -183,8 +194,9 @@ class RequestTable:
         with self.lock:
             overdue = [(self.by_key[k], t) for k, t in self.deadlines.overdue(time.monotonic())
                        if k in self.by_key]
-        for pending, timeout_s in overdue:
-            self._fail([pending], deadlines.timeout_message(timeout_s), deadlines.TIMEOUT_CODE)
+        for pending, timeout_s in overdue:  # failed (sent) by the responder
+            self.post(lambda p=pending, t=timeout_s: self._fail([p], deadlines.timeout_message(t),
+                                                                deadlines.TIMEOUT_CODE))
         with self.lock:
             live = set(self.by_stub_id.values())
         for pending in live:
@@ -197,11 +209,33 @@ class RequestTable:
 
     # ----- responses out -------------------------------------------------------------------
 
+    def post(self, work, once: bool = False) -> None:
+        """Any thread: have the responder run `work()` (sends), in order. `once`: not if an
+        equal `work` is still waiting (a timer's, when the responder is slow)."""
+        if once and work in self.posted:
+            return
+        self.posted.append(work)
+        if self._wake is not None:
+            self._wake()
+
+    def run_posted(self) -> None:
+        """The responder (or, once it has stopped, `close`): run the work posted so far."""
+        while self.posted:
+            work = self.posted.popleft()
+            try:
+                work()
+            except Exception as exc:  # one failed answer must not stop the others
+                self.sink.warn(f"answering a request failed: {type(exc).__name__}: {exc}")
+
     def respond(self, timeout_s: float) -> None:
-        """Take every engine event waiting (or wait up to `timeout_s` for one) and send."""
+        """Run posted work, take every engine event waiting (or wait up to `timeout_s` for one,
+        or for a `post`) and send."""
+        self.run_posted()
         by_row, self.held = self.held, {}
         dead = None
-        for event in self.engine.receive(min(timeout_s, HELD_POLL_S) if by_row else timeout_s):
+        if by_row or (self._wake is None and timeout_s > HELD_POLL_S):
+            timeout_s = min(timeout_s, HELD_POLL_S)  # no wake-up: look at posted work often
+        for event in self.engine.receive(0 if self.posted else timeout_s):
             if event[0] == "step":
                 for stub_id, response in event[1]:
                     by_row.setdefault(stub_id, []).append(response)
@@ -222,6 +256,7 @@ class RequestTable:
         if dead is not None:
             self.dead_message = dead
             self.fail_all(dead, INTERNAL)
+        self.run_posted()
 
     def _may_wait(self, stub_id: int, response: Response) -> bool:
         if response.has_error() or response.result.is_final:
@@ -347,6 +382,8 @@ class RequestTable:
                 self.sink.warn(f"answering a drain request failed: {exc}")
 
     def close(self) -> None:
+        """After the responder has stopped: answer what was posted, then end everything."""
+        self.run_posted()
         self.fail_all("the model is being unloaded", UNAVAILABLE)
         with self.lock:
             waiters = self.drain.take_waiters()

@@ -233,3 +233,32 @@ def test_a_stream_waiting_at_a_slow_detokenizer_keeps_its_tokens_until_its_chunk
     table.respond(0)
     assert [t["output_ids"].tolist() for _, t, _ in sender.sent] == [[[[1]]], [[[2]]], [[[3, 4]]]]
     assert not table.held
+
+
+def test_posted_answers_are_sent_by_the_responder_in_order(table):
+    sender = FakeSender()
+    table.post(lambda: table.sink.send_error(sender, "bad input", "INVALID_ARG", final=False))
+    table.post(lambda: table.sink.send_final(sender))
+    assert sender.sent == []  # nothing is sent from the posting thread
+    table.respond(0)
+    assert sender.sent == [("error", ("bad input", "INVALID_ARG"), False), ("final", None, True)]
+
+
+def test_a_failing_posted_answer_does_not_stop_the_next(table):
+    sender = FakeSender()
+    table.post(lambda: 1 / 0)
+    table.post(lambda: table.sink.send_final(sender))
+    table.respond(0)
+    assert sender.sent == [("final", None, True)]
+
+
+
+def test_a_timer_posts_its_work_once_while_it_waits(table):
+    runs = []
+    work = lambda: runs.append(1)  # noqa: E731
+    table.post(work, once=True)
+    table.post(work, once=True)
+    table.respond(0)
+    table.post(work, once=True)
+    table.respond(0)
+    assert runs == [1, 1]

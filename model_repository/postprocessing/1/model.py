@@ -12,7 +12,8 @@ order (`preserve_ordering` keeps that on Triton versions that run ensemble callb
 
 Cancellation: Triton does not tell the engine, the ensemble's running step, that a client left;
 it cancels only the steps created afterwards. Without dynamic batching (the shipped config) a
-cancelled chunk reaches `execute`, and this model relays its cancellation at once. With dynamic
+cancelled chunk reaches `execute`, and this model relays its cancellation (it asks Triton about
+a stream at most every `CANCEL_CHECK_S`: each question is a round trip to the server). With dynamic
 batching the batcher drops it before `execute`; then `tensorrt_llm` infers the drop from
 acknowledgements. Either way this model acknowledges, every `ACK_PERIOD_S`, the chunks it
 decoded (`postprocessing.acks`): `tensorrt_llm` learns from them how far behind the detokenizer
@@ -36,6 +37,8 @@ from preprocessing.loader import load_tokenizer
 
 
 ACK_PERIOD_S = 0.05
+CANCEL_CHECK_S = 0.1  # tensorrt_llm's default cancellation_check_period_ms
+MAX_ASKED_KEYS = 4096
 ONE = np.ones((1, 1), dtype=np.int32)
 
 
@@ -72,6 +75,7 @@ class TritonPythonModel:
                                    trust_remote_code=params.get_bool(values, "trust_remote_code", False))
         self.detokenizer = Detokenizer(tokenizer, params.get_bool(values, "skip_special_tokens", True))
         self.stopped_keys = collections.deque(maxlen=1024)  # relayed already
+        self.asked_s = {}  # request key -> when Triton was last asked if it was cancelled
         self.auth = ControlAuth.from_env()
         self.ledger = AckLedger()
         self.stopping = threading.Event()
@@ -96,11 +100,25 @@ class TritonPythonModel:
     def finalize(self):
         lifeline.skip_teardown_at_exit()
 
-    def _relay_cancellation(self, request):
-        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
-        if key is None:
-            return
-        key = int(key.as_numpy().reshape(-1)[0])
+    def _should_ask(self, key, is_final, now_s):
+        """Ask Triton whether this chunk's client cancelled? Each question is a round trip to
+        the server, so a stream is asked at most every CANCEL_CHECK_S (its first chunk always),
+        its final chunk never (nothing is left to stop). With dynamic batching Triton drops
+        cancelled requests before execute: never worth asking."""
+        if self.is_batched or key is None:
+            return False
+        if is_final:
+            self.asked_s.pop(key, None)
+            return False
+        last_s = self.asked_s.get(key)
+        if last_s is not None and now_s - last_s < CANCEL_CHECK_S:
+            return False
+        if len(self.asked_s) > MAX_ASKED_KEYS:  # streams whose final never came (cancelled)
+            self.asked_s = {k: t for k, t in self.asked_s.items() if now_s - t < 60.0}
+        self.asked_s[key] = now_s
+        return True
+
+    def _relay_cancellation(self, key):
         if key in self.stopped_keys:
             return
         self.stopped_keys.append(key)
@@ -118,25 +136,25 @@ class TritonPythonModel:
     def _decode(self, requests, chunks):
         # Decode the whole dynamic batch in one call; answer each request with its own rows.
         token_rows, context_rows, finals, counts = [], [], [], []
+        now_s = time.monotonic()
         for request in requests:
-            # With dynamic batching Triton drops cancelled requests before execute, so asking
-            # (a round trip to the server per request) is only worth it without.
-            if not self.is_batched and request.is_cancelled():
-                self._relay_cancellation(request)
-            tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
-            lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
-            rows = _rows(tokens, lengths)
-            context = pb_utils.get_input_tensor_by_name(request, "CONTEXT_IDS")
-            context_len = pb_utils.get_input_tensor_by_name(request, "CONTEXT_LENGTH")
+            # One pass over the inputs (pb_utils.get_input_tensor_by_name walks them per name).
+            inputs = {tensor.name(): tensor for tensor in request.inputs()}
+            final = inputs.get("IS_FINAL")
+            is_final = bool(final.as_numpy().reshape(-1)[0]) if final is not None else True
+            key = inputs.get("REQUEST_KEY")
+            key = int(key.as_numpy().reshape(-1)[0]) if key is not None else None
+            if key is not None:
+                chunks.append((key, is_final))
+            if self._should_ask(key, is_final, now_s) and request.is_cancelled():
+                self._relay_cancellation(key)
+            tokens = inputs["TOKENS_BATCH"].as_numpy()
+            rows = _rows(tokens, inputs["SEQUENCE_LENGTH"].as_numpy())
+            context, context_len = inputs.get("CONTEXT_IDS"), inputs.get("CONTEXT_LENGTH")
             if context is not None and context_len is not None:
                 contexts = _rows(context.as_numpy(), context_len.as_numpy())
             else:
                 contexts = [[] for _ in rows]
-            final = pb_utils.get_input_tensor_by_name(request, "IS_FINAL")
-            is_final = bool(final.as_numpy().reshape(-1)[0]) if final is not None else True
-            key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
-            if key is not None:
-                chunks.append((int(key.as_numpy().reshape(-1)[0]), is_final))
             token_rows += rows
             context_rows += contexts
             finals += [is_final] * len(rows)

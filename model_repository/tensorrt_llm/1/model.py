@@ -6,7 +6,8 @@ tensorrtllm) and `engine_process` (true: the engine runs in a process of its own
 stub's interpreter lock; false: in a thread here, as the tensorrtllm backend always does).
 
 `execute` converts and hands each request to `inflight.serving.request_table`, then returns.
-Threads: a responder sends the engine's responses, a poller cancels requests whose client
+Threads: a responder makes every send (the engine's responses, and what the others post to
+it: `execute`'s error and stop answers, drain ticks), a poller cancels requests whose client
 cancelled or whose `timeout` parameter has passed (every `cancellation_check_period_ms`; see
 `inflight.serving.deadlines`), and a housekeeper publishes the metrics,
 drives a shutdown drain and unloads the model once its engine has died.
@@ -16,6 +17,7 @@ NVIDIA's backend. A stop whose id is a signed control id (`ensemble.control`) is
 the detokenizer's cancel relay and acknowledgements, or the launcher's drain.
 """
 
+import functools
 import json
 import os
 import threading
@@ -53,6 +55,11 @@ class Sink:
         sender.send(flags=FINAL)
 
     @staticmethod
+    def send_empty_final(sender):
+        """The answer to a stop request: a final response with no outputs, as NVIDIA's."""
+        sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+
+    @staticmethod
     def is_cancelled(sender):
         return sender.is_cancelled()
 
@@ -87,7 +94,10 @@ class TritonPythonModel:
         self.metrics = metrics.TritonMetrics(pb_utils, args["model_name"], args["model_version"],
                                              pb_utils.Logger.log_warn)
         self.table = RequestTable(engine, Sink(), self.metrics.observe)
+        self.published_stats = None
+        self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)
         self.stopping = threading.Event()
+        # Only the responder sends; the poller only asks (guarded against a final being sent).
         self.threads = [threading.Thread(target=self._respond, daemon=True),
                         threading.Thread(target=self._every, args=(self.cancel_period_s,
                                                                    self.table.poll_cancelled), daemon=True),
@@ -134,32 +144,34 @@ class TritonPythonModel:
                     continue
                 refusal = self.table.refusal()
                 if refusal is not None:
-                    Sink.send_error(sender, refusal, "UNAVAILABLE")
+                    self._answer_error(sender, refusal, "UNAVAILABLE")
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
                                                      self.limits, self.features)
                 self.table.add(sender, request.request_id(), rows, options,
                                timeout_s=request.timeout() / 1e6)  # Triton's is in microseconds
             except QueueFullError as exc:
-                Sink.send_error(sender, str(exc), "UNAVAILABLE")
+                self._answer_error(sender, str(exc), "UNAVAILABLE")
             except (RequestError, InputError) as exc:
-                Sink.send_error(sender, str(exc), "INVALID_ARG")
+                self._answer_error(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # keep serving the other requests of this batch
-                Sink.send_error(sender, f"{type(exc).__name__}: {exc}", "INTERNAL")
+                self._answer_error(sender, f"{type(exc).__name__}: {exc}", "INTERNAL")
         return None
 
+    def _answer_error(self, sender, message, code):
+        """A final error, sent by the responder thread (the only one that sends)."""
+        self.table.post(functools.partial(Sink.send_error, sender, message, code))
+
     def _inputs(self, request):
-        inputs = {}
-        for spec in TENSORRT_LLM.inputs:
-            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-            if tensor is not None:
-                inputs[spec.name] = tensor.as_numpy()
-        return inputs
+        # One pass over what the request carries (get_input_tensor_by_name walks every input
+        # once per name asked: ~40 names here).
+        known = self.input_names
+        return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in known}
 
     def _control(self, user_id, sender):
         """A stop request: by client request id, or one of our signed control requests."""
         if not user_id:
-            Sink.send_error(sender, "A request id must be provided for request cancellation", "INVALID_ARG")
+            self._answer_error(sender, "A request id must be provided for request cancellation", "INVALID_ARG")
             return
         grace_s = self.auth.parse_drain_id(user_id)
         if grace_s is not None:
@@ -172,7 +184,7 @@ class TritonPythonModel:
             self.table.stop(user_id, key)  # the detokenizer saw a cancelled chunk
         elif not control.is_control_id(user_id):  # a forged or stale one stops nothing
             self.table.stop(user_id, None)
-        sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+        self.table.post(functools.partial(Sink.send_empty_final, sender))
 
     def _begin_drain(self, grace_s, sender):
         is_first, num_pending = self.table.begin_drain(grace_s, sender)
@@ -187,8 +199,11 @@ class TritonPythonModel:
 
     def _housekeep(self):
         self._unload_if_dead()
-        self.table.tick()
-        self.metrics.publish(self.table.latest_stats)
+        self.table.post(self.table.tick, once=True)  # it may answer and fail requests
+        stats = self.table.latest_stats
+        if stats is not None and stats is not self.published_stats:  # each set is a round trip
+            self.published_stats = stats
+            self.metrics.publish(stats)
 
     def _unload_if_dead(self):
         """A dead engine must not look ready: unload this model (and the ensemble using it)."""

@@ -13,9 +13,10 @@ from openai_frontend.app import ServedModel, create_app
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.generation import collect, merge, run_choice
+from openai_frontend.infer_request import ensemble_inputs
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import Limits, chat_plan, completion_plan
-from openai_frontend.triton_client import EngineChunk, EngineRequest, classify, ensemble_inputs
+from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
 
 LIMITS = Limits(context_length=256)
 
@@ -193,9 +194,36 @@ def test_chat_requests_the_engine_cannot_serve_are_refused_by_name(fields, param
 def test_response_format_becomes_the_ensembles_guided_decoding(response_format, guide_type, guide):
     plan = chat_plan(_chat(n=2, response_format=response_format), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
     assert [(r.guide_type, r.guide) for r in plan.requests] == [(guide_type, guide)] * 2
-    names = [t.name() for t in ensemble_inputs(plan.requests[0])]
+    names = [t.name for t, _ in ensemble_inputs(plan.requests[0])]
     assert ("guided_decoding_guide_type" in names) == (guide_type is not None)
     assert ("guided_decoding_guide" in names) == (guide is not None)
+
+
+def test_inputs_are_encoded_as_tritonclient_encodes_them():
+    """The frontend writes raw tensor contents itself; tritonclient's InferInput is the reference."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from ensemble.io_contract import ENSEMBLE
+
+    request = EngineRequest(prompt="héllo 🌍", max_tokens=5, add_special_tokens=False, temperature=0.5,
+                            top_p=0.9, top_k=3, frequency_penalty=0.1, presence_penalty=-0.2,
+                            repetition_penalty=1.1, min_tokens=2, seed=2**64 - 1, return_log_probs=True,
+                            guide_type="json_schema", guide='{"type": "integer"}')
+    values = {spec.name: getattr(request, spec.name, None) for spec in ENSEMBLE.inputs}
+    values.update(text_input=request.prompt, guided_decoding_guide_type=request.guide_type,
+                  guided_decoding_guide=request.guide, stream=True, exclude_input_in_output=True,
+                  return_num_input_tokens=True, return_num_output_tokens=True)
+    inputs = ensemble_inputs(request)
+    assert len({tensor.name for tensor, _ in inputs}) == len(inputs) == 18
+    for tensor, raw in inputs:
+        spec = ENSEMBLE.input(tensor.name)
+        value = values[tensor.name]
+        reference = grpcclient.InferInput(tensor.name, [1, 1], spec.client_dtype)
+        reference.set_data_from_numpy(np.array([[value.encode() if isinstance(value, str) else value]],
+                                               dtype=spec.numpy_dtype))
+        assert (tensor.datatype, list(tensor.shape)) == (spec.client_dtype, [1, 1]), tensor.name
+        assert raw == reference._get_content(), tensor.name
 
 
 def test_a_tokenizer_without_template_and_non_text_content_get_clear_400s():

@@ -302,3 +302,29 @@ def test_completion_with_echo_and_n_counts_the_prompt_once():
     assert [c["text"] for c in data["choices"]] == ["SayHello"] * 2
     assert [c["index"] for c in data["choices"]] == [0, 1]
     assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_are_written_as_pydantic_writes_them(include_usage):
+    """Chunks without log probs are written without pydantic; the JSON must be the same bytes."""
+    from openai_frontend.generation import ChoiceEvent
+    from openai_frontend.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice
+    from openai_frontend.responses import ChatStream, CompletionStream, Context
+    from openai_frontend.sampling import Plan
+
+    texts = ["plain", 'quote " backslash \\ slash /', "tab\t nl\n cr\r nul\x00 bell\x07 del\x7f",
+             "héllo 🌍 \u2028\u2029 \ufeff", ""]
+    plan = Plan([EngineRequest("p", 4)] * 2, include_usage=include_usage, stream=True)
+    ctx = Context('id-"1"', 1700000000, "mödel/\\x", plan)
+    exclude = None if include_usage else {"usage"}
+    chat, completion = ChatStream(ctx), CompletionStream(ctx)
+    for i, text in enumerate(texts):
+        finish = "length" if i == len(texts) - 1 else None
+        event = ChoiceEvent(i % 2, text, [], finish, 3, i + 1)
+        delta = {"role": "assistant", "content": text} if i < 2 else ({"content": text} if text or not finish else {})
+        expected = ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+            ChatChunkChoice(index=i % 2, delta=delta, finish_reason=finish)]).model_dump_json(exclude=exclude)
+        assert chat.chunk_json(event) == expected
+        expected = Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+            CompletionChoice(index=i % 2, text=text, finish_reason=finish)]).model_dump_json(exclude=exclude)
+        assert completion.chunk_json(event) == expected

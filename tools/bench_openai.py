@@ -65,6 +65,7 @@ class Level:
     samples: list[Sample]
     wall_s: float
     cpu_s: float | None = None  # the frontend process's CPU time, when this tool started it
+    user_cpu_s: float | None = None  # the part of it in user space (Python, not the kernel's sockets)
 
     @property
     def ttft_p50_ms(self) -> float:
@@ -139,23 +140,26 @@ async def run_level(request, concurrency: int, num_requests: int, max_tokens: in
 
 def _merge(levels: list[Level]) -> Level:
     cpu = [lv.cpu_s for lv in levels if lv.cpu_s is not None]
+    user = [lv.user_cpu_s for lv in levels if lv.user_cpu_s is not None]
     return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels),
-                 sum(cpu) if cpu else None)
+                 sum(cpu) if cpu else None, sum(user) if user else None)
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process (Linux /proc), or None."""
+def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """(user, system) CPU time of a process (Linux /proc), or None."""
     if pid is None:
         return None
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 async def measured(request, pid, *args) -> Level:
     before = cpu_seconds(pid)
     level = await run_level(request, *args)
     if before is not None:
-        level.cpu_s = cpu_seconds(pid) - before
+        after = cpu_seconds(pid)
+        level.user_cpu_s = after[0] - before[0]
+        level.cpu_s = level.user_cpu_s + after[1] - before[1]
     return level
 
 
@@ -202,8 +206,8 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
         cpu = ""
         if lv.cpu_s is not None:
             tokens = sum(s.num_output_tokens for s in lv.samples)
-            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request, "
-                   f"{1e6 * lv.cpu_s / tokens:.0f} µs/token")
+            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request "
+                   f"({1000 * lv.user_cpu_s / len(lv.samples):.1f} user), {1e6 * lv.cpu_s / tokens:.0f} µs/token")
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
               f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s{cpu}", flush=True)
     paired = ""

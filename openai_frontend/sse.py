@@ -3,7 +3,9 @@
 A streamed answer is `data: {chunk}` events ending with `data: [DONE]`. The HTTP status is
 decided before the first byte: the first event is awaited first, so a request the ensemble
 refuses gets its proper status and JSON error, not a 200 with an error inside. An error after
-that is sent as an `{"error": ...}` event, which the `openai` client raises.
+that is sent as an `{"error": ...}` event, which the `openai` client raises. The headers and
+the first event are written back to back as soon as that event is ready (nothing buffers or
+compresses them).
 
 When the client disconnects, Starlette cancels the streaming body; for a non-streamed answer
 `until_disconnect` does the same. Either way the cancellation closes the choice generators,

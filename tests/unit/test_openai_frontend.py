@@ -7,15 +7,20 @@ import asyncio
 import json
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
+from ensemble.io_contract import ENSEMBLE
 from openai_frontend.app import ServedModel, create_app
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
-from openai_frontend.generation import collect, merge, run_choice
+from openai_frontend.generation import ChoiceEvent, collect, merge, run_choice
 from openai_frontend.infer_request import ensemble_inputs
-from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
-from openai_frontend.sampling import Limits, chat_plan, completion_plan
+from openai_frontend.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                                      CompletionChoice, CompletionRequest)
+from openai_frontend.responses import ChatStream, CompletionStream, Context
+from openai_frontend.sampling import Limits, Plan, chat_plan, completion_plan
 from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
 
 LIMITS = Limits(context_length=256)
@@ -201,11 +206,6 @@ def test_response_format_becomes_the_ensembles_guided_decoding(response_format, 
 
 def test_inputs_are_encoded_as_tritonclient_encodes_them():
     """The frontend writes raw tensor contents itself; tritonclient's InferInput is the reference."""
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    from ensemble.io_contract import ENSEMBLE
-
     request = EngineRequest(prompt="héllo 🌍", max_tokens=5, add_special_tokens=False, temperature=0.5,
                             top_p=0.9, top_k=3, frequency_penalty=0.1, presence_penalty=-0.2,
                             repetition_penalty=1.1, min_tokens=2, seed=2**64 - 1, return_log_probs=True,
@@ -307,11 +307,6 @@ def test_completion_with_echo_and_n_counts_the_prompt_once():
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_stream_chunks_are_written_as_pydantic_writes_them(include_usage):
     """Chunks without log probs are written without pydantic; the JSON must be the same bytes."""
-    from openai_frontend.generation import ChoiceEvent
-    from openai_frontend.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice
-    from openai_frontend.responses import ChatStream, CompletionStream, Context
-    from openai_frontend.sampling import Plan
-
     texts = ["plain", 'quote " backslash \\ slash /', "tab\t nl\n cr\r nul\x00 bell\x07 del\x7f",
              "héllo 🌍 \u2028\u2029 \ufeff", ""]
     plan = Plan([EngineRequest("p", 4)] * 2, include_usage=include_usage, stream=True)

@@ -53,10 +53,11 @@ _ALWAYS = {"stream": True, "exclude_input_in_output": True,
 _OPTIONAL = ("add_special_tokens", "temperature", "top_p", "top_k", "frequency_penalty",
              "presence_penalty", "repetition_penalty", "min_tokens", "seed")
 _SHAPE = (1, 1)  # every ensemble input is one element of a batch of one
+_Input = tuple[service_pb2.ModelInferRequest.InferInputTensor, bytes]  # (description, raw contents)
 
 
 @functools.lru_cache(maxsize=4096)
-def _scalar(name: str, value) -> tuple[service_pb2.ModelInferRequest.InferInputTensor, bytes]:
+def _scalar(name: str, value) -> _Input:
     """Scalar inputs repeat from request to request: each is encoded once."""
     spec = ENSEMBLE.input(name)
     tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=spec.client_dtype,
@@ -64,13 +65,13 @@ def _scalar(name: str, value) -> tuple[service_pb2.ModelInferRequest.InferInputT
     return tensor, np.array([[value]], dtype=spec.numpy_dtype).tobytes()
 
 
-def _text(name: str, text: str) -> tuple[service_pb2.ModelInferRequest.InferInputTensor, bytes]:
+def _text(name: str, text: str) -> _Input:
     data = text.encode("utf-8")
     tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="BYTES", shape=_SHAPE)
     return tensor, len(data).to_bytes(4, "little") + data
 
 
-def ensemble_inputs(request: EngineRequest) -> list[tuple[service_pb2.ModelInferRequest.InferInputTensor, bytes]]:
+def ensemble_inputs(request: EngineRequest) -> list[_Input]:
     """(tensor description, raw contents) of every input `request` sends."""
     values = dict(_ALWAYS, max_tokens=request.max_tokens)
     values.update((name, getattr(request, name)) for name in _OPTIONAL if getattr(request, name) is not None)

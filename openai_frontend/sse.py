@@ -68,7 +68,8 @@ class _EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             await super().__call__(scope, receive, send)
         finally:

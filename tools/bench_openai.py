@@ -207,7 +207,8 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
         if lv.cpu_s is not None:
             tokens = sum(s.num_output_tokens for s in lv.samples)
             cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request "
-                   f"({1000 * lv.user_cpu_s / len(lv.samples):.1f} user), {1e6 * lv.cpu_s / tokens:.0f} µs/token")
+                   f"({1000 * lv.user_cpu_s / len(lv.samples):.1f} user), "
+                   f"{1e6 * lv.cpu_s / tokens:.0f} µs/token")
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
               f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s{cpu}", flush=True)
     paired = ""
@@ -231,9 +232,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2,
                         help="at concurrency c: c × rounds requests per path")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--stub", action="store_true", help="serve with tools/triton_stub.py, not tritonserver")
+    parser.add_argument("--stub", action="store_true",
+                        help="serve with tools/triton_stub.py, not tritonserver")
     parser.add_argument("--stub-first-token-ms", type=float, default=20.0,
-                        help="the stub's time to first token (the frontend idles meanwhile, as with an engine)")
+                        help="the stub's time to first token (the frontend idles meanwhile, as "
+                        "with an engine)")
     parser.add_argument("--stub-token-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:

@@ -5,8 +5,8 @@
 It speaks Triton's gRPC inference protocol for one decoupled model, `ensemble`, well enough for
 the frontend and the benchmark's direct client: server and model readiness, and
 `ModelStreamInfer`, which streams `max_tokens` responses ("tok" each, with running
-`num_output_tokens` and a fixed `num_input_tokens`) after optional delays. `ModelConfig` is refused, so
-start the frontend with `--tokenizer`. No engine runs, so the time and CPU that a request costs
+`num_output_tokens` and a fixed `num_input_tokens`) after optional delays. `ModelConfig` is
+refused, so start the frontend with `--tokenizer`. No engine runs, so the time and CPU that a request costs
 through the frontend, minus the same request sent straight to the stub, is the frontend's own.
 Benchmark tool only: it checks no input.
 """

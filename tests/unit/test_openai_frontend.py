@@ -316,7 +316,8 @@ def test_stream_chunks_are_written_as_pydantic_writes_them(include_usage):
     for i, text in enumerate(texts):
         finish = "length" if i == len(texts) - 1 else None
         event = ChoiceEvent(i % 2, text, [], finish, 3, i + 1)
-        delta = {"role": "assistant", "content": text} if i < 2 else ({"content": text} if text or not finish else {})
+        delta = {"content": text} if text or not finish else {}
+        delta = {"role": "assistant", "content": text} if i < 2 else delta
         expected = ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
             ChatChunkChoice(index=i % 2, delta=delta, finish_reason=finish)]).model_dump_json(exclude=exclude)
         assert chat.chunk_json(event) == expected

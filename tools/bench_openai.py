@@ -53,6 +53,9 @@ PROMPTS = [
 ]
 
 
+IDLE_S = 3.0  # how long the frontend's idle CPU use is measured
+
+
 @dataclass
 class Sample:
     ttft_s: float
@@ -182,6 +185,11 @@ async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
         pids = {"direct": None, "frontend": frontend_pid}
         for name, request in paths.items():  # warm up both (first-use costs on both sides)
             await run_level(request, 4, 4, 8)
+        if frontend_pid is not None:  # its background readiness checks, in every figure below
+            before = cpu_seconds(frontend_pid)
+            await asyncio.sleep(IDLE_S)
+            idle_ms = 1000 * sum(cpu_seconds(frontend_pid)) - 1000 * sum(before)
+            print(f"  frontend CPU while idle: {idle_ms / IDLE_S:.1f} ms/s", flush=True)
         results = {}
         for concurrency in args.concurrency:
             if concurrency == 1:

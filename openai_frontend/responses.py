@@ -10,6 +10,7 @@ add up to the returned text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from openai_frontend.generation import ChoiceEvent, ChoiceResult
@@ -82,12 +83,23 @@ def completion(ctx: Context, results: list[ChoiceResult]) -> Completion:
 # ----- streams ---------------------------------------------------------------------------------
 
 class _StreamState:
+    chunk_type: type  # ChatCompletionChunk or Completion
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.started = [False] * ctx.num_choices
         self.offsets = [0] * ctx.num_choices
         self.input_tokens = [0] * ctx.num_choices
         self.output_tokens = [0] * ctx.num_choices
+        # Every chunk repeats the same fields around its one choice: pydantic writes them once,
+        # each chunk only its choice (most chunks are one token: their time is the stream's).
+        empty = self.dump(self.chunk_type(id=ctx.id, created=ctx.created, model=ctx.model, choices=[]))
+        head, tail = empty.split('"choices":[]')
+        self._head, self._tail = head + '"choices":[', "]" + tail
+
+    def fast_json(self, choice: dict) -> str:
+        """A chunk of one choice without log probs, as pydantic would write it (compact, UTF-8)."""
+        return self._head + json.dumps(choice, ensure_ascii=False, separators=(",", ":")) + self._tail
 
     def record(self, event: ChoiceEvent) -> None:
         self.input_tokens[event.index] = event.num_input_tokens
@@ -107,12 +119,17 @@ class _StreamState:
 
 
 class ChatStream(_StreamState):
+    chunk_type = ChatCompletionChunk
+
     def chunk_json(self, event: ChoiceEvent) -> str:
         self.record(event)
         delta = {"content": event.text} if event.text or event.finish_reason is None else {}
         if not self.started[event.index]:
             self.started[event.index] = True
             delta = {"role": "assistant", "content": event.text}
+        if not self.ctx.plan.logprobs:
+            return self.fast_json({"index": event.index, "delta": delta, "logprobs": None,
+                                   "finish_reason": event.finish_reason})
         choice = ChatChunkChoice(index=event.index, delta=delta, finish_reason=event.finish_reason,
                                  logprobs=chat_logprobs(event.tokens) if self.ctx.plan.logprobs else None)
         return self.dump(ChatCompletionChunk(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,
@@ -123,12 +140,17 @@ class ChatStream(_StreamState):
 
 
 class CompletionStream(_StreamState):
+    chunk_type = Completion
+
     def chunk_json(self, event: ChoiceEvent) -> str:
         self.record(event)
         logprobs = None
         if self.ctx.plan.logprobs:
             logprobs = completion_logprobs(event.tokens, self.offsets[event.index])
         self.offsets[event.index] += len(event.text)
+        if logprobs is None:
+            return self.fast_json({"index": event.index, "text": event.text, "logprobs": None,
+                                   "finish_reason": event.finish_reason})
         choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs,
                                   finish_reason=event.finish_reason)
         return self.dump(Completion(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,

@@ -3,7 +3,9 @@
 A streamed answer is `data: {chunk}` events ending with `data: [DONE]`. The HTTP status is
 decided before the first byte: the first event is awaited first, so a request the ensemble
 refuses gets its proper status and JSON error, not a 200 with an error inside. An error after
-that is sent as an `{"error": ...}` event, which the `openai` client raises.
+that is sent as an `{"error": ...}` event, which the `openai` client raises. The headers and
+the first event are written back to back as soon as that event is ready (nothing buffers or
+compresses them).
 
 When the client disconnects, Starlette cancels the streaming body; for a non-streamed answer
 `until_disconnect` does the same. Either way the cancellation closes the choice generators,
@@ -53,10 +55,34 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
-async def _body(first, events: AsyncIterator, stream) -> AsyncIterator[bytes]:
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that writes its headers and its first event in the request's own task,
+    at once: Starlette's starts a task group and a task first, and the time to first token pays
+    for the hop. The rest streams as Starlette's does, cancelled when the client disconnects."""
+
+    def __init__(self, first: bytes, body: AsyncIterator[bytes], events: AsyncIterator,
+                 headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.first = first
+        self.events = events  # closed here too, should the body never start
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()  # a no-op once the body has run
+
+    async def stream_response(self, send) -> None:  # the headers are sent
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _body(events: AsyncIterator, stream) -> AsyncIterator[bytes]:
     try:
-        if first is not None:
-            yield event(stream.chunk_json(first))
         async for item in events:
             yield event(stream.chunk_json(item))
         final = stream.final_json()
@@ -74,8 +100,12 @@ async def event_stream(request: Request, events: AsyncIterator, stream) -> Strea
     CompletionStream). Raises APIError, before any byte is sent, if the first event fails."""
     try:
         first = await until_disconnect(request, anext(events, None))
+        body = _body(events, stream)
+        if first is None:  # no event at all: the body has the final chunk and [DONE]
+            first = await anext(body)
+        else:
+            first = event(stream.chunk_json(first))
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_body(first, events, stream), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(first, body, events, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

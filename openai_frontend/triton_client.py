@@ -1,10 +1,13 @@
-"""The frontend's only link to Triton: tritonclient's asyncio gRPC client, one stream per request.
+"""The frontend's only link to Triton: asyncio gRPC, one stream per request.
 
-Every generation is sent to the ensemble as a streaming request, even when the OpenAI client
-asked for one whole answer: stop strings are matched on the streamed text, and a client that
-leaves is noticed within one token. Leaving `generate` early (a matched stop string, a
-disconnect, an error) cancels the gRPC call, which cancels the Triton request; the ensemble then
-tells the engine, which frees the request's KV blocks.
+Every generation is sent to the ensemble as a streaming request (`ModelStreamInfer`), even when
+the OpenAI client asked for one whole answer: stop strings are matched on the streamed text, and
+a client that leaves is noticed within one token. The call is opened as a unary-stream one: on the
+wire it is the same stream tritonclient opens, but the metadata, the request and the half-close
+leave in one batch, not one after the other, each waiting for the last to complete. Leaving
+`generate` early (a matched stop string, a disconnect, an error) cancels the gRPC call, which
+cancels the Triton request; the ensemble then tells the engine, which frees the request's KV
+blocks.
 
 Triton reports a failed streamed request with a message only (no status code), so the message
 is classified here: overload and a model that is gone are 503s, engine faults 500s, and the rest
@@ -14,54 +17,25 @@ are the ensemble's input checks, 400s.
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from ensemble.io_contract import ENSEMBLE
 from ensemble.params import get_int, read_parameters
 from openai_frontend.errors import APIError, bad_request, unavailable
+from openai_frontend.infer_request import EngineChunk, EngineRequest, decode_chunk, infer_request
+
+__all__ = ["EngineChunk", "EngineRequest", "ModelInfo", "TritonClient", "classify"]
 
 READY_TTL_S = 2.0  # a successful readiness check is trusted this long
 CONTROL_TIMEOUT_S = 5.0  # for unary calls (readiness, configs)
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One generation for the ensemble; None leaves an input out (the ensemble's default)."""
-
-    prompt: str
-    max_tokens: int
-    add_special_tokens: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    return_log_probs: bool = False
-    guide_type: str | None = None  # guided_decoding_guide_type (json, json_schema, ...)
-    guide: str | None = None  # guided_decoding_guide
-
-
-@dataclass(frozen=True)
-class EngineChunk:
-    """One streamed response: the text of this step's tokens and the running totals."""
-
-    text: str
-    log_probs: list[float] | None  # one per token of this chunk, when asked for
-    num_input_tokens: int
-    num_output_tokens: int
 
 
 @dataclass(frozen=True)
@@ -72,55 +46,6 @@ class ModelInfo:
     max_seq_len: int | None  # None: the engine's model decides (see context_length)
     max_output_len: int | None
     engine_dir: str | None
-
-
-_ALWAYS = {"stream": True, "exclude_input_in_output": True,
-           "return_num_input_tokens": True, "return_num_output_tokens": True}
-_OPTIONAL = ("add_special_tokens", "temperature", "top_p", "top_k", "frequency_penalty",
-             "presence_penalty", "repetition_penalty", "min_tokens", "seed")
-
-
-@functools.lru_cache(maxsize=4096)
-def _scalar_tensor(name: str, value) -> grpcclient.InferInput:
-    """Scalar inputs repeat from request to request: each is built once. tritonclient only reads
-    an InferInput when it serializes a request, so sharing one between requests is safe."""
-    spec = ENSEMBLE.input(name)
-    tensor = grpcclient.InferInput(name, [1, 1], spec.client_dtype)
-    tensor.set_data_from_numpy(np.array([[value]], dtype=spec.numpy_dtype))
-    return tensor
-
-
-def _text_tensor(name: str, text: str) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
-    tensor.set_data_from_numpy(np.array([[text.encode("utf-8")]], dtype=np.object_))
-    return tensor
-
-
-def ensemble_inputs(request: EngineRequest) -> list[grpcclient.InferInput]:
-    values = dict(_ALWAYS, max_tokens=request.max_tokens)
-    values.update((name, getattr(request, name)) for name in _OPTIONAL if getattr(request, name) is not None)
-    if request.return_log_probs:
-        values["return_log_probs"] = True
-    tensors = [_text_tensor("text_input", request.prompt)] + [_scalar_tensor(k, v) for k, v in values.items()]
-    if request.guide_type is not None:
-        tensors.append(_text_tensor("guided_decoding_guide_type", request.guide_type))
-    if request.guide is not None:
-        tensors.append(_text_tensor("guided_decoding_guide", request.guide))
-    return tensors
-
-
-def decode_chunk(response) -> EngineChunk:
-    """A ModelInferResponse (protobuf) → EngineChunk, reading the raw output bytes directly:
-    tritonclient's generic `as_numpy` costs several times more, once per token."""
-    raw = dict(zip((o.name for o in response.outputs), response.raw_output_contents))
-    text = raw.get("text_output", b"")
-    log_probs = raw.get("output_log_probs")
-    return EngineChunk(
-        # One BYTES element: a little-endian uint32 length, then the bytes.
-        text=text[4:4 + int.from_bytes(text[:4], "little")].decode("utf-8") if text else "",
-        log_probs=np.frombuffer(log_probs, dtype=np.float32).tolist() if log_probs is not None else None,
-        num_input_tokens=int.from_bytes(raw.get("num_input_tokens", b""), "little", signed=True),
-        num_output_tokens=int.from_bytes(raw.get("num_output_tokens", b""), "little", signed=True))
 
 
 _UNAVAILABLE = re.compile(r"unknown model|not ready|not healthy|engine has stopped|engine stopped|"
@@ -157,7 +82,7 @@ class TritonClient:
         self.url = url
         self.model = model
         keepalive = grpcclient.KeepAliveOptions()
-        self.client = grpcaio.InferenceServerClient(url, channel_args=[
+        channel_args = [
             ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
             ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
             ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
@@ -168,12 +93,19 @@ class TritonClient:
             # served again within a second.
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
+        ]
+        self.client = grpcaio.InferenceServerClient(url, channel_args=channel_args)  # control calls
+        self._channel = grpc.aio.insecure_channel(url, options=channel_args)  # generations
+        self._stream_infer = self._channel.unary_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
         self._ready_until = 0.0
         self._streams: dict = {}  # live gRPC stream -> whether stop_streams cancelled it
         self.is_stopping = False
 
     async def close(self) -> None:
+        await self._channel.close()
         await self.client.close()
 
     def stop_streams(self) -> None:
@@ -239,21 +171,16 @@ class TritonClient:
         """
         if self.is_stopping:
             raise unavailable("The server is shutting down.")
-        inputs = ensemble_inputs(request)
-
-        async def one_request():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
-
-        stream = self.client.stream_infer(one_request())
+        stream = self._stream_infer(infer_request(self.model, request, request_id))
         self._streams[stream] = False
         try:
-            async for result, error in stream:
-                if error is not None:
-                    api_error = classify(str(error.message()))
+            async for response in stream:
+                if response.error_message:
+                    api_error = classify(response.error_message)
                     if api_error.status == 503:
                         self.mark_unready()
                     raise api_error
-                yield decode_chunk(result.get_response())
+                yield decode_chunk(response.infer_response)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.mark_unready()

@@ -1,6 +1,7 @@
 """What the OpenAI frontend costs: the same load through it and straight to Triton, in one run.
 
     python tools/bench_openai.py                       # starts its own tritonserver + frontend
+    python tools/bench_openai.py --stub                # a stand-in Triton: the frontend's own cost
     python tools/bench_openai.py --grpc-url 127.0.0.1:8001 --openai-url http://127.0.0.1:9000
 
 Both paths stream the same chat prompts with the same settings (greedy, exactly `--max-tokens`
@@ -8,8 +9,14 @@ output tokens through `min_tokens`): the frontend through `/v1/chat/completions`
 `include_usage`), the direct path to the gRPC ensemble with `apply_chat_template`, which renders
 the same template into the same prompt tokens (checked). The two paths take turns (request by
 request at concurrency 1, A B B A above), so drift on a shared machine falls on both. Prints time
-to first token (p50), output tok/s, and the ratios: frontend TTFT − direct TTFT at concurrency 1
-(target ≤ 1 ms) and frontend tok/s ÷ direct tok/s at 64 (target ≥ 95 %).
+to first token (p50), output tok/s, the frontend process's CPU time per request (from /proc: the
+figure least moved by other load), the load average, and the ratios: frontend TTFT − direct TTFT
+at concurrency 1, as the median of the paired differences (target ≤ 1 ms), and frontend tok/s ÷
+direct tok/s at 64 (target ≥ 95 %).
+
+`--stub` puts `tools/triton_stub.py` (no engine; first response after `--stub-first-token-ms`)
+in place of tritonserver, so the difference is the frontend's own time and CPU, without an engine
+competing for the cores.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ PROMPTS = [
 ]
 
 
+IDLE_S = 3.0  # how long the frontend's idle CPU use is measured
+
+
 @dataclass
 class Sample:
     ttft_s: float
@@ -58,6 +68,7 @@ class Level:
     samples: list[Sample]
     wall_s: float
     cpu_s: float | None = None  # the frontend process's CPU time, when this tool started it
+    user_cpu_s: float | None = None  # the part of it in user space (Python, not the kernel's sockets)
 
     @property
     def ttft_p50_ms(self) -> float:
@@ -132,23 +143,26 @@ async def run_level(request, concurrency: int, num_requests: int, max_tokens: in
 
 def _merge(levels: list[Level]) -> Level:
     cpu = [lv.cpu_s for lv in levels if lv.cpu_s is not None]
+    user = [lv.user_cpu_s for lv in levels if lv.user_cpu_s is not None]
     return Level([s for lv in levels for s in lv.samples], sum(lv.wall_s for lv in levels),
-                 sum(cpu) if cpu else None)
+                 sum(cpu) if cpu else None, sum(user) if user else None)
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process (Linux /proc), or None."""
+def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """(user, system) CPU time of a process (Linux /proc), or None."""
     if pid is None:
         return None
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 async def measured(request, pid, *args) -> Level:
     before = cpu_seconds(pid)
     level = await run_level(request, *args)
     if before is not None:
-        level.cpu_s = cpu_seconds(pid) - before
+        after = cpu_seconds(pid)
+        level.user_cpu_s = after[0] - before[0]
+        level.cpu_s = level.user_cpu_s + after[1] - before[1]
     return level
 
 
@@ -171,6 +185,11 @@ async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
         pids = {"direct": None, "frontend": frontend_pid}
         for name, request in paths.items():  # warm up both (first-use costs on both sides)
             await run_level(request, 4, 4, 8)
+        if frontend_pid is not None:  # its background readiness checks, in every figure below
+            before = cpu_seconds(frontend_pid)
+            await asyncio.sleep(IDLE_S)
+            idle_ms = 1000 * sum(cpu_seconds(frontend_pid)) - 1000 * sum(before)
+            print(f"  frontend CPU while idle: {idle_ms / IDLE_S:.1f} ms/s", flush=True)
         results = {}
         for concurrency in args.concurrency:
             if concurrency == 1:
@@ -190,11 +209,13 @@ def report_level(concurrency: int, level: dict[str, Level]) -> None:
     direct_, front = level["direct"], level["frontend"]
     prompts = {(s.num_input_tokens) for s in direct_.samples} ^ {(s.num_input_tokens) for s in front.samples}
     assert not prompts, f"the two paths saw different prompt lengths: {prompts}"
+    print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for name, lv in level.items():
         cpu = ""
         if lv.cpu_s is not None:
             tokens = sum(s.num_output_tokens for s in lv.samples)
-            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request, "
+            cpu = (f"  frontend CPU {1000 * lv.cpu_s / len(lv.samples):.1f} ms/request "
+                   f"({1000 * lv.user_cpu_s / len(lv.samples):.1f} user), "
                    f"{1e6 * lv.cpu_s / tokens:.0f} µs/token")
         print(f"  concurrency {concurrency:>3}  {name:<8}  requests {len(lv.samples):>4}  "
               f"TTFT p50 {lv.ttft_p50_ms:8.1f} ms  output {lv.tok_per_s:7.1f} tok/s{cpu}", flush=True)
@@ -219,16 +240,25 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2,
                         help="at concurrency c: c × rounds requests per path")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stub", action="store_true",
+                        help="serve with tools/triton_stub.py, not tritonserver")
+    parser.add_argument("--stub-first-token-ms", type=float, default=20.0,
+                        help="the stub's time to first token (the frontend idles meanwhile, as "
+                        "with an engine)")
+    parser.add_argument("--stub-token-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         grpc_url, openai_url, frontend_pid = args.grpc_url, args.openai_url, args.frontend_pid
+        if grpc_url is None and args.stub:
+            grpc_url = stack.enter_context(_stub(args.stub_first_token_ms, args.stub_token_ms))
         if grpc_url is None:
             from tests.e2e.server import running_server
 
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             grpc_url = stack.enter_context(running_server(Path(args.model), work_dir)).grpc_url
         if openai_url is None:
-            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url))
+            tokenizer = ["--tokenizer", args.model] if args.stub else []
+            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url, tokenizer))
         print(f"Triton gRPC {grpc_url}, OpenAI frontend {openai_url}", flush=True)
         results = asyncio.run(bench(grpc_url, openai_url, frontend_pid, args))
     print("\nsummary")
@@ -238,12 +268,37 @@ def main(argv=None) -> int:
 
 
 @contextlib.contextmanager
-def _frontend(grpc_url: str):
+def _stub(first_token_ms: float, token_ms: float):
     import serve
     from tests.e2e.server import free_ports
 
     [port] = free_ports(1)
-    process = serve.start(serve.frontend_command(grpc_url, "127.0.0.1", port, ["--log-level", "warning"]))
+    process = serve.start([sys.executable, str(REPO_ROOT / "tools" / "triton_stub.py"), "--port", str(port),
+                           "--first-token-ms", str(first_token_ms), "--token-ms", str(token_ms)])
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        serve.stop(process, timeout_s=5)
+
+
+@contextlib.contextmanager
+def _frontend(grpc_url: str, extra: list[str]):
+    import serve
+    from tests.e2e.server import free_ports
+
+    [port] = free_ports(1)
+    process = serve.start(serve.frontend_command(grpc_url, "127.0.0.1", port,
+                                                 ["--log-level", "warning", *extra]))
     try:
         serve.wait_http_ok(process, f"http://127.0.0.1:{port}/health/ready", 120, "the OpenAI frontend")
         yield f"http://127.0.0.1:{port}", process.pid

@@ -7,15 +7,21 @@ import asyncio
 import json
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
+from ensemble.io_contract import ENSEMBLE
 from openai_frontend.app import ServedModel, create_app
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
-from openai_frontend.generation import collect, merge, run_choice
-from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
-from openai_frontend.sampling import Limits, chat_plan, completion_plan
-from openai_frontend.triton_client import EngineChunk, EngineRequest, classify, ensemble_inputs
+from openai_frontend.generation import ChoiceEvent, collect, merge, run_choice
+from openai_frontend.infer_request import ensemble_inputs
+from openai_frontend.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                                      CompletionChoice, CompletionRequest)
+from openai_frontend.responses import ChatStream, CompletionStream, Context
+from openai_frontend.sampling import Limits, Plan, chat_plan, completion_plan
+from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
 
 LIMITS = Limits(context_length=256)
 
@@ -193,9 +199,31 @@ def test_chat_requests_the_engine_cannot_serve_are_refused_by_name(fields, param
 def test_response_format_becomes_the_ensembles_guided_decoding(response_format, guide_type, guide):
     plan = chat_plan(_chat(n=2, response_format=response_format), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
     assert [(r.guide_type, r.guide) for r in plan.requests] == [(guide_type, guide)] * 2
-    names = [t.name() for t in ensemble_inputs(plan.requests[0])]
+    names = [t.name for t, _ in ensemble_inputs(plan.requests[0])]
     assert ("guided_decoding_guide_type" in names) == (guide_type is not None)
     assert ("guided_decoding_guide" in names) == (guide is not None)
+
+
+def test_inputs_are_encoded_as_tritonclient_encodes_them():
+    """The frontend writes raw tensor contents itself; tritonclient's InferInput is the reference."""
+    request = EngineRequest(prompt="héllo 🌍", max_tokens=5, add_special_tokens=False, temperature=0.5,
+                            top_p=0.9, top_k=3, frequency_penalty=0.1, presence_penalty=-0.2,
+                            repetition_penalty=1.1, min_tokens=2, seed=2**64 - 1, return_log_probs=True,
+                            guide_type="json_schema", guide='{"type": "integer"}')
+    values = {spec.name: getattr(request, spec.name, None) for spec in ENSEMBLE.inputs}
+    values.update(text_input=request.prompt, guided_decoding_guide_type=request.guide_type,
+                  guided_decoding_guide=request.guide, stream=True, exclude_input_in_output=True,
+                  return_num_input_tokens=True, return_num_output_tokens=True)
+    inputs = ensemble_inputs(request)
+    assert len({tensor.name for tensor, _ in inputs}) == len(inputs) == 18
+    for tensor, raw in inputs:
+        spec = ENSEMBLE.input(tensor.name)
+        value = values[tensor.name]
+        reference = grpcclient.InferInput(tensor.name, [1, 1], spec.client_dtype)
+        reference.set_data_from_numpy(np.array([[value.encode() if isinstance(value, str) else value]],
+                                               dtype=spec.numpy_dtype))
+        assert (tensor.datatype, list(tensor.shape)) == (spec.client_dtype, [1, 1]), tensor.name
+        assert raw == reference._get_content(), tensor.name
 
 
 def test_a_tokenizer_without_template_and_non_text_content_get_clear_400s():
@@ -274,3 +302,25 @@ def test_completion_with_echo_and_n_counts_the_prompt_once():
     assert [c["text"] for c in data["choices"]] == ["SayHello"] * 2
     assert [c["index"] for c in data["choices"]] == [0, 1]
     assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_are_written_as_pydantic_writes_them(include_usage):
+    """Chunks without log probs are written without pydantic; the JSON must be the same bytes."""
+    texts = ["plain", 'quote " backslash \\ slash /', "tab\t nl\n cr\r nul\x00 bell\x07 del\x7f",
+             "héllo 🌍 \u2028\u2029 \ufeff", ""]
+    plan = Plan([EngineRequest("p", 4)] * 2, include_usage=include_usage, stream=True)
+    ctx = Context('id-"1"', 1700000000, "mödel/\\x", plan)
+    exclude = None if include_usage else {"usage"}
+    chat, completion = ChatStream(ctx), CompletionStream(ctx)
+    for i, text in enumerate(texts):
+        finish = "length" if i == len(texts) - 1 else None
+        event = ChoiceEvent(i % 2, text, [], finish, 3, i + 1)
+        delta = {"content": text} if text or not finish else {}
+        delta = {"role": "assistant", "content": text} if i < 2 else delta
+        expected = ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+            ChatChunkChoice(index=i % 2, delta=delta, finish_reason=finish)]).model_dump_json(exclude=exclude)
+        assert chat.chunk_json(event) == expected
+        expected = Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+            CompletionChoice(index=i % 2, text=text, finish_reason=finish)]).model_dump_json(exclude=exclude)
+        assert completion.chunk_json(event) == expected

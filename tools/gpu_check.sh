@@ -76,7 +76,9 @@ if [[ $what == all ]]; then
 fi
 if [[ $what == tp ]]; then
   # --watchdog-s: below the limit, so a hang leaves every rank's Python stacks in the log
-  stage "tp: greedy tp=2 == tp=1" 240 tp_check.log $PY tools/gpu_tp.py --check --watchdog-s 215 --out "$OUT/tp_check"
+  # One tp > 1 engine per process on CUDA (NCCL groups end with the process): a stage per mode.
+  stage "tp: greedy tp=2 == tp=1, graphs" 150 tp_check.log $PY tools/gpu_tp.py --check --check-graphs auto --watchdog-s 130 --out "$OUT/tp_check"
+  stage "tp: greedy tp=2 == tp=1, eager" 150 tp_check_eager.log $PY tools/gpu_tp.py --check --check-graphs off --watchdog-s 130 --out "$OUT/tp_check_eager"
   stage "tp: 8B tp=1 vs tp=2" 330 tp_bench.log $PY tools/gpu_tp.py --bench --watchdog-s 305 --out "$OUT"
 fi
 if [[ $what == jit || $what == tune ]]; then
@@ -101,7 +103,7 @@ fi
     echo "--- parity.log ---"
     grep -E '^(PARITY|BF16|SYNC|RESULT|    flagged)' "$OUT/parity.log"
   fi
-  for log in tp_check.log tp_bench.log; do
+  for log in tp_check.log tp_check_eager.log tp_bench.log; do
     [[ -f $OUT/$log ]] && { echo "--- $log ---"; grep -vE '^\[tp rank' "$OUT/$log" | grep -E '^(  tp=|CHECK|WATCHDOG|  "batch|   "batch|.*NOT RUN|.*refused)' ; }
   done
   if [[ -f $OUT/jit.log ]]; then

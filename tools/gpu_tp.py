@@ -178,7 +178,7 @@ def close(eng: LLMEngine, tp_size: int) -> None:
         log(f"  tp={tp_size}: ranks stopped in {time.perf_counter() - start:.1f} s")
 
 
-def check(num_gpus: int, tp: int, out: dict) -> bool:
+def check(num_gpus: int, tp: int, out: dict, graph_modes=(None, False)) -> bool:
     log(f"\n== check: greedy tokens, tp=1 vs tp={tp} (fp32, random Llama, vocab {CHECK_SHAPE['vocab_size']})")
     folder = write_checkpoint(CHECK_SHAPE, torch.float32, 0.1, Path(tempfile.mkdtemp(prefix="tp-check-")))
     prompts = random_prompts(8, [5, 17, 33, 64, 100, 7, 250, 12], CHECK_SHAPE["vocab_size"], seed=3)
@@ -210,7 +210,7 @@ def check(num_gpus: int, tp: int, out: dict) -> bool:
         log(f"  tp={tp} NOT RUN: this machine has {num_gpus} GPU(s)")
         return results["refused_without_gpus"]
     ok = True
-    for graphs in (None, False):
+    for graphs in graph_modes:
         got = generate(tp, graphs)
         same = sum(g == w for g, w in zip(got, want))
         results[f"tp{tp}_graphs_{graphs}"] = f"{same}/{len(want)} sequences equal"
@@ -265,6 +265,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp"))
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="tiny shapes on the CPU with gloo ranks: the script's code paths, no numbers")
+    parser.add_argument("--check-graphs", choices=["auto", "off", "both"], default="both",
+                        help="cuda_graph_mode of the tp engines checked (one tp > 1 engine per process "
+                             "on CUDA: NCCL groups end with the process, see TensorParallel.destroy)")
     parser.add_argument("--watchdog-s", type=float, default=0,
                         help="after this long, dump every rank's Python stacks and exit 3 (0: never); "
                              "set it below the caller's time limit")
@@ -289,7 +292,8 @@ def main() -> int:
     ok = True
     try:
         if not args.bench:
-            ok = check(num_gpus, args.tp, out)
+            modes = {"auto": (None,), "off": (False,), "both": (None, False)}[args.check_graphs]
+            ok = check(num_gpus, args.tp, out, modes)
         if not args.check:
             bench(num_gpus, args.tp, out)
     finally:
@@ -301,4 +305,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # ranks are spawned: they import this file and must not run it
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: NCCL groups end with the process (see destroy)

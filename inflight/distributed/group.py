@@ -12,7 +12,6 @@ identity, so tp=1 runs exactly the code it ran before tensor parallelism existed
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -160,20 +159,18 @@ class TensorParallel:
         return self.destroy(timeout_s)
 
     def destroy(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Destroys this process's groups, so that a later engine in this process can start.
+        """Releases this process's groups; True when done (or nothing to do), False when the
+        gloo teardown did not return within `timeout_s` (left to the process exit).
 
-        NCCL: an abort, which is local (no waiting for peers), after this device's work is
-        done. A graceful NCCL teardown did not return in 30 s on 2 H200s even with both ranks
-        in it (communicators captured in CUDA graphs), and failed with "invalid argument" once
-        the peer was gone; after `close`'s barrier no collective is pending, so nothing is lost
-        by aborting. gloo: the graceful destroy, waited on for at most `timeout_s`. True when
-        it returned; otherwise it is left to the process exit."""
+        NCCL groups are left to the process exit, which ends every rank's communicators at
+        once: on 2 H200s (2026-11-23) the graceful destroy did not return in 30 s with both
+        ranks in it (their communicators are captured in CUDA graphs), then failed "invalid
+        argument", and an abort after the barrier hung too. The engine's processes end with
+        `os._exit` after stopping, so nothing waits on them; one tp > 1 engine per process."""
         if self.size == 1 or not dist.is_initialized():
             return True
         if dist.get_backend(self.device_group) == "nccl":
-            with contextlib.suppress(RuntimeError):  # a broken context: abort regardless
-                torch.cuda.synchronize()
-            dist.distributed_c10d._abort_process_group()
+            logger.info("tensor-parallel rank %d: NCCL communicators left to the process exit", self.rank)
             return True
         done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
         try:

@@ -178,8 +178,11 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config: Executor
         # make rank 0's next message or collective fail at once instead of waiting it out.
         os._exit(1)
     logger.info("tensor-parallel rank %d: stop message received; tearing down", rank)
-    if not tp.close():  # collective: rank 0 closes right after its stop message
-        os._exit(1)
+    closed = tp.close()  # collective: rank 0 closes right after its stop message
+    logging.shutdown()
+    # No interpreter teardown: NCCL communicators are left to the process exit (see
+    # TensorParallel.destroy), and a group's destructor would try to tear them down again.
+    os._exit(0 if closed else 1)
 
 
 def follow(worker) -> None:

@@ -23,7 +23,6 @@ Both control requests are signed (`ensemble.control`), so no client can send one
 import collections
 import json
 import threading
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -91,10 +90,7 @@ class TritonPythonModel:
                     pass
             except Exception as exc:  # the engine model is gone (unloading); keep decoding
                 pb_utils.Logger.log_warn(f"acknowledging chunks failed: {exc}")
-                time.sleep(1.0)
-
-    def finalize(self):
-        lifeline.skip_teardown_at_exit()
+                self.stopping.wait(1.0)  # not time.sleep: finalize must not wait for it
 
     def _relay_cancellation(self, request):
         key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
@@ -156,3 +152,6 @@ class TritonPythonModel:
         self.stopping.set()
         if self.acker is not None:
             self.acker.join(timeout=5)
+        # No interpreter teardown (ensemble.lifeline): with transformers loaded it held every
+        # unload of this model for 9-30 s on a busy machine.
+        lifeline.skip_teardown_at_exit()

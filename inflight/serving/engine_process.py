@@ -15,7 +15,10 @@ to the tokens it computed: an overlapped engine answers one step later, which ch
 here.
 
 It dies with its parent: PR_SET_PDEATHSIG (SIGKILL) plus a parent check whenever it is idle, so
-no orphan keeps the model (on a GPU, its memory) after the stub is gone.
+no orphan keeps the model (on a GPU, its memory) after the stub is gone. It ends at once when
+told to (SHUTDOWN) or after a fatal error: it stops its tensor-parallel ranks, closes its
+sockets (the last event delivered) and exits without tearing the interpreter down, since the
+model's unload waits for it.
 """
 
 from __future__ import annotations
@@ -212,6 +215,10 @@ def main(argv: list[str]) -> int:
         logger.exception("the engine loop died")
         events.send(wire.pack([wire.FATAL, f"the engine stopped: {type(exc).__name__}: {exc}"]))
         code = 1
+    try:
+        engine.close()  # its tensor-parallel ranks: the os._exit below runs no atexit handler
+    except Exception:
+        logger.exception("stopping the engine's ranks failed")
     _close(context, commands, events)
     return code
 

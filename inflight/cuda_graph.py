@@ -1,33 +1,31 @@
-"""CUDA graphs for decode steps: captured at start-up per batch-size bucket, replayed per step.
+"""CUDA graphs for decode and mixed steps: captured at start-up per bucket, replayed per step.
+
+`CudaGraphRunner` owns the decode graphs (below), the mixed-step graphs (`inflight.mixed_graph`,
+one per token bucket, optional), their one memory pool and the logits buffer they share.
 
 A decode step (every row one new token, every row sampled) of B rows runs in the graph of the
 smallest captured bucket Bp >= B. Every graph was captured over views of one static input
-buffer (`arena`), laid out once for the largest bucket Bmax (rows padded to R = Bmax rounded
-up to 16) and shared by all buckets (bucket Bp uses the first Bp entries of each field):
-
-    int64 [5, R]    input_ids, positions, slot_mapping, pending_dst, pending_src
-    int32 [R]       seq_lens
-    int32 [R, W]    block_tables, W = cdiv(max_seq_len, block_size)
-
-so a step is: fill a pinned host copy of that layout, ONE host -> device copy of its first
-bytes (up to the end of row Bp - 1 of the block tables), patch the ids still on the device
-(overlapped steps: `pending_*`, two small kernels), replay. Rows B..Bp-1 are padding: slot -1
+buffer (`arena`, `graph_inputs.StaticLayout`), laid out once for the largest bucket Bmax and
+shared by all buckets (bucket Bp uses the first Bp entries of each field), so a step is: fill
+a pinned host copy of that layout, ONE host -> device copy of its first bytes (up to the end
+of row Bp - 1 of the block tables), patch the ids still on the device (overlapped steps:
+`pending_*`, two small kernels), replay. Rows B..Bp-1 are padding: slot -1
 (nothing stored), seq_len 0 (nothing read), token 0. The graph ends with the LM head writing
 logits [Bp, vocab] into one static buffer that every bucket shares (one graph replays at a
 time); the sampler reads rows [:B] after it.
 
 Host cost (the engine's hottest per-row loop, `stage_decode`): two pinned host copies of the
-layout are reused in turn (an event guards each against being rewritten before its copy has
-run), and each remembers which block table it holds in each row and how many entries of it,
-so a row's table is written only when the row changes sequence or gains a block (once every
-`block_size` steps); tokens, positions, slots and lengths are written with numpy.
+layout are reused in turn (`graph_inputs.Staging`), each writing a row's block table only when
+the row changes sequence or gains a block; tokens, positions, slots and lengths are numpy.
 
-Graphs are captured largest first into one shared memory pool: a smaller bucket's
-activations reuse the larger one's blocks, so the pool costs about one largest step.
-Capture needs the real KV cache (its addresses are baked into the graphs), so it runs after
-the cache is allocated; the static buffers are allocated before the KV cache is sized.
-Prefill and mixed steps stay eager. A runner that has not captured (a CPU, in tests) runs the
-same body eagerly over the same static buffers.
+Graphs are captured largest first (mixed buckets, then decode buckets) into one shared memory
+pool: a smaller bucket's activations reuse the larger one's blocks, so the pool costs about
+one largest step (logged per bucket at start-up). Capture needs the real KV cache (its
+addresses are baked into the graphs), so it runs after the cache is allocated; the static
+buffers are allocated before the KV cache is sized. Steps longer than the largest mixed
+bucket, steps that keep prompt logits, and (mixed graphs off) all but decode steps stay
+eager. A runner that has not captured (a CPU, in tests) runs the same bodies eagerly over
+the same static buffers.
 """
 
 from __future__ import annotations
@@ -39,56 +37,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from inflight.graph_inputs import StaticLayout, Staging
+from inflight.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
 from inflight.model.attention import DecodeBuffers, cdiv
 
 logger = logging.getLogger(__name__)
-
-_NUM_I64_FIELDS = 5  # input_ids, positions, slot_mapping, pending_dst, pending_src
-_ROW_ALIGN = 16  # field rows padded to this many entries: every field starts 64-byte aligned
-
-
-@dataclass(frozen=True)
-class StaticLayout:
-    """Byte layout of the static inputs (and of their pinned host copies); see the module
-    docstring. `rows` >= the largest bucket; `width` block-table entries per row."""
-
-    rows: int
-    width: int
-
-    @classmethod
-    def for_buckets(cls, max_batch_size: int, width: int) -> "StaticLayout":
-        return cls(-(-max_batch_size // _ROW_ALIGN) * _ROW_ALIGN, width)
-
-    @property
-    def i32_offset(self) -> int:
-        return 8 * _NUM_I64_FIELDS * self.rows
-
-    @property
-    def tables_offset(self) -> int:
-        return self.i32_offset + 4 * self.rows
-
-    @property
-    def nbytes(self) -> int:
-        return self.tables_offset + 4 * self.rows * self.width
-
-    def step_nbytes(self, batch_size: int) -> int:
-        """Bytes a step of bucket `batch_size` copies: everything up to its last table row."""
-        return self.tables_offset + 4 * batch_size * self.width
-
-    def split(self, buffer):
-        """(int64 [5, R], seq_lens [R], block_tables [R, W]) views of a numpy or torch uint8
-        buffer holding this layout."""
-        i64 = buffer[:self.i32_offset].view(_dtype(buffer, 8)).reshape(_NUM_I64_FIELDS, self.rows)
-        seq_lens = buffer[self.i32_offset:self.tables_offset].view(_dtype(buffer, 4))
-        tables = buffer[self.tables_offset:self.nbytes].view(_dtype(buffer, 4))
-        return i64, seq_lens, tables.reshape(self.rows, self.width)
-
-
-def _dtype(buffer, size: int):
-    if isinstance(buffer, torch.Tensor):
-        return torch.int64 if size == 8 else torch.int32
-    return np.int64 if size == 8 else np.int32
-
 
 @dataclass(frozen=True)
 class GraphStep:
@@ -98,35 +51,6 @@ class GraphStep:
     num_rows: int
     num_pending: int
     seq_lens: np.ndarray  # [num_rows] the real rows' context lengths (host copy)
-
-
-class _Staging:
-    """One pinned host copy of the static layout, and which block table each row holds."""
-
-    def __init__(self, layout: StaticLayout, pinned: bool) -> None:
-        self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.i64, self.seq_lens, self.tables = layout.split(self.buffer.numpy())
-        # Row r of `tables` holds the first row_num_blocks[r] entries of row_tables[r] (the
-        # sequence's own list: the block manager replaces it, never rewrites it, when the
-        # sequence is freed, so the same list object means the same leading entries).
-        self.row_tables: list = [None] * layout.rows
-        self.row_num_blocks = [0] * layout.rows
-        self.copied = torch.cuda.Event() if pinned else None  # recorded after its last copy
-        self.in_flight = False
-
-    def write_tables(self, tables: Sequence[Sequence[int]], num_blocks: Sequence[int]) -> None:
-        """Row r must hold tables[r][:num_blocks[r]]; writes only what it does not yet."""
-        row_tables, row_num_blocks, out = self.row_tables, self.row_num_blocks, self.tables
-        for r, (table, n) in enumerate(zip(tables, num_blocks)):
-            if row_tables[r] is table:
-                done = row_num_blocks[r]
-                if done >= n:
-                    continue
-            else:
-                done = 0
-                row_tables[r] = table
-            out[r, done:n] = table[done:n]
-            row_num_blocks[r] = n
 
 
 class _Bucket:
@@ -155,7 +79,10 @@ class CudaGraphRunner:
     """Owns the static buffers, the captured graphs and their replay (see the module docstring)."""
 
     def __init__(self, model, batch_sizes: Sequence[int], max_seq_len: int, block_size: int,
-                 sampled_ids: torch.Tensor, device: torch.device) -> None:
+                 sampled_ids: torch.Tensor, device: torch.device,
+                 mixed_token_buckets: Sequence[int] = (), max_num_seqs: int = 0) -> None:
+        """`mixed_token_buckets`: the mixed steps' graphs (none: mixed steps stay eager), over
+        rows up to `max_num_seqs` (the engine's max batch; default the largest decode bucket)."""
         self.model = model
         self.backend = model.attention_backend
         self.block_size = block_size
@@ -166,30 +93,48 @@ class CudaGraphRunner:
         self.backend.init_graph_buffers(self.max_batch_size, width, device)
         self.layout = StaticLayout.for_buckets(self.max_batch_size, width)
         self.arena = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self.logits = torch.zeros(self.max_batch_size, model.config.vocab_size, dtype=torch.float32,
-                                  device=device)
+        max_num_seqs = max(max_num_seqs, self.max_batch_size)
+        mixed_rows = min(max(mixed_token_buckets, default=0), max_num_seqs)
+        self.logits = torch.zeros(max(self.max_batch_size, mixed_rows), model.config.vocab_size,
+                                  dtype=torch.float32, device=device)
         self.buckets = {b: _Bucket(b, self.layout, self.arena, max_seq_len, self.backend)
                         for b in self.batch_sizes}
+        # Set to None to run mixed steps eagerly (a runtime switch, as for the whole runner).
+        self.mixed: MixedGraphs | None = None
+        if mixed_token_buckets and self.backend.supports_mixed_graphs:
+            self.mixed = MixedGraphs(model, mixed_token_buckets, max_num_seqs, max_seq_len, width,
+                                     block_size, self.logits, sampled_ids)
         # Two host copies used in turn: one can be read by its queued copy while the next
         # step writes the other.
-        self._staging = [_Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
+        self._staging = [Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
         self._num_staged = 0
         # Bucket for each row count 1..max: the smallest captured size that holds it.
         self._bucket_of = [0] + [next(b for b in self.batch_sizes if b >= n)
                                  for n in range(1, self.max_batch_size + 1)]
         self.kv_caches: list[torch.Tensor] | None = None
         self.pool = None
+        # Bytes the pool grew by at capture: per mixed token bucket ("mixed T"), then "decode".
+        self.pool_growth: dict[str, int] = {}
 
     # ----- start-up ------------------------------------------------------------------------
 
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
         """The KV cache the steps run against (captured graphs keep its addresses)."""
         self.kv_caches = kv_caches
+        if self.mixed is not None:
+            self.mixed.kv_caches = kv_caches
 
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Warms up and captures every bucket, largest first, into one shared pool."""
+        """Warms up and captures every bucket, largest first (mixed, then decode), into one
+        shared pool; logs what the pool grew by at each bucket."""
         self.bind(kv_caches)
         self.pool = torch.cuda.graph_pool_handle()
+        if self.mixed is not None:
+            grown = self.mixed.capture(kv_caches, self.pool)
+            self.pool_growth.update((f"mixed {t}", b) for t, b in grown)
+            logger.info("captured %d mixed-step CUDA graphs; graph memory pool growth per token "
+                        "bucket: %s", len(grown), ", ".join(f"{t}: {b / 2**20:.1f} MiB" for t, b in grown))
+        before = pool_bytes()
         for batch_size in reversed(self.batch_sizes):
             bucket = self.buckets[batch_size]
             bucket.pad_all()
@@ -199,9 +144,10 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._forward(bucket)
             bucket.graph = graph
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.batch_sizes),
-                    ", ".join(map(str, self.batch_sizes)))
+        self.pool_growth["decode"] = pool_bytes() - before
+        logger.info("captured %d decode CUDA graphs (batch sizes %s); graph memory pool growth %.1f MiB",
+                    len(self.batch_sizes), ", ".join(map(str, self.batch_sizes)),
+                    self.pool_growth["decode"] / 2**20)
 
     @torch.inference_mode()
     def _forward(self, bucket: _Bucket) -> None:
@@ -246,12 +192,9 @@ class CudaGraphRunner:
         batch_size = self.bucket_for(num_rows)
         staging = self._staging[self._num_staged % 2]
         self._num_staged += 1
-        # Its previous copy was two steps back and has almost surely run: query() first, so the
-        # common case costs no wait at all (and the sync audit sees none).
-        if staging.in_flight and not staging.copied.query():
-            staging.copied.synchronize()
+        staging.wait_reusable()
         bs = self.block_size
-        i64, seq_lens = staging.i64, staging.seq_lens
+        i64, seq_lens, _ = staging.views
         ids, pos = i64[0, :num_rows], i64[1, :num_rows]
         ids[:] = tokens
         pos[:] = positions
@@ -268,16 +211,22 @@ class CudaGraphRunner:
             i64[3, :num_pending] = pending_rows
             i64[4, :num_pending] = -1 - ids[pending_rows]
             ids[pending_rows] = 0
-        nbytes = self.layout.step_nbytes(batch_size)
-        self.arena[:nbytes].copy_(staging.buffer[:nbytes], non_blocking=True)
-        if staging.copied is not None:
-            staging.copied.record()
-            staging.in_flight = True
+        staging.copy_to(self.arena, self.layout.step_nbytes(batch_size))
         return GraphStep(batch_size, num_rows, num_pending, seq_lens[:num_rows].copy())
 
-    def replay(self, step: GraphStep) -> torch.Tensor:
-        """Runs a staged step; returns its logits [B, vocab] fp32 (a view of the static buffer,
-        valid until the next replay)."""
+    def mixed_bucket_for(self, num_tokens: int, num_rows: int) -> int | None:
+        """The token bucket of a mixed step (None: no mixed graphs, or too big)."""
+        return None if self.mixed is None else self.mixed.bucket_for(num_tokens, num_rows)
+
+    def stage_mixed(self, rows: Sequence[MixedRow]) -> MixedStep:
+        """Stages a step that fits `mixed_bucket_for` (see `MixedGraphs.stage`)."""
+        return self.mixed.stage(rows)
+
+    def replay(self, step: GraphStep | MixedStep) -> torch.Tensor:
+        """Runs a staged step; returns its sampled rows' logits [S, vocab] fp32 (a view of the
+        static buffer, valid until the next replay)."""
+        if isinstance(step, MixedStep):
+            return self.mixed.replay(step)
         bucket = self.buckets[step.batch_size]
         if step.num_pending:
             n = step.num_pending

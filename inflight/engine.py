@@ -41,47 +41,19 @@ import torch
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
-from inflight.core.sequence import Sequence
 from inflight.executor.config import ExecutorConfig
-from inflight.executor.features import GUIDED_DECODING_OFF
 from inflight.executor.stats import IterationStats, iteration_stats
-from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
+from inflight.executor.types import FinishReason, Request, Response
 from inflight.beam_state import BeamRequestState
+from inflight.fatal_errors import as_fatal, breaks_device
 from inflight.platform import default_max_num_tokens
-from inflight.request_outputs import RequestOutputs
+from inflight.request_intake import RequestIntake
 from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
 from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-class EngineFatalError(RuntimeError):
-    """The engine cannot go on (its device state is broken); the executor stops for good."""
-
-
-# What a CUDA context that can no longer run kernels says (torch raises these as RuntimeError,
-# or AcceleratorError in newer versions): every later step would fail too.
-_DEVICE_BROKEN = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS",
-                  "cuDNN error", "NCCL error", "unspecified launch failure")
-
-
-def breaks_device(exc: BaseException) -> bool:
-    """Whether `exc` means the device state is broken (fail everything, stop) rather than one
-    step's requests being bad (fail them, carry on). Out of memory is not: it passes."""
-    if isinstance(exc, EngineFatalError):
-        return True
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _DEVICE_BROKEN)
-
-
-def _fatal(exc: BaseException) -> EngineFatalError:
-    return exc if isinstance(exc, EngineFatalError) else EngineFatalError(f"{type(exc).__name__}: {exc}")
 
 
 @dataclass
@@ -128,7 +100,7 @@ class LLMEngine:
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: _InFlight | None = None
-        self.grammars = self._grammar_compiler()
+        self.intake = RequestIntake(config, worker, self.scheduler)
         # Live requests whose sampling reads their tokens on the host (they make steps
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self._num_host_token_requests = 0
@@ -150,14 +122,6 @@ class LLMEngine:
         if close is not None:
             close()
 
-    def _grammar_compiler(self):
-        guided = self.config.guided_decoding_config
-        if guided is None:
-            return None
-        from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
-
-        return GrammarCompiler(guided, self.model_config.vocab_size)
-
     # ----- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> int:
@@ -173,59 +137,19 @@ class LLMEngine:
 
     def prepare(self, request: Request, request_id: int, num_queued: int) -> RequestState:
         """Check a request against the engine's limits and build its state, without touching
-        the scheduler (safe to call from another thread). Raises RequestError."""
-        self._validate(request)
-        max_queue = self.config.max_queue_size
-        if max_queue is not None and num_queued >= max_queue:
-            raise QueueFullError(f"Maximum queue size of {max_queue} has been reached, "
-                                 "please try again later")
-        bias = self._embedding_bias(request)
-        first = self._new_state(request, request_id, request_id, 0, bias, None)
-        reason = self.scheduler.check_fits(first.seq)
-        if reason:
-            raise RequestError(reason)
-        # Beam search returns its beams in one sequence (num_return_sequences picks them).
-        num_sequences = 1 if request.sampling_config.beam_width > 1 else request.sampling_config.num_sequences
-        if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
-            others = [self._new_state(request, request_id, self.new_request_id(), i, bias, first.seq)
-                      for i in range(1, num_sequences)]
-            group = RequestGroup(request_id, [first, *others], others, num_sequences)
-            for state in group.members:
-                state.group = group
-        return first
-
-    def guide(self, request: Request):
-        """A grammar matcher for the request's guide (None without one), its grammar compiled
-        or taken from the cache. Raises RequestError for a guide that does not compile or an
-        engine without guided decoding."""
-        params = request.guided_decoding_params
-        return None if params is None else self._grammar_compiler_for_requests().matcher(params)
+        the scheduler's queues (safe to call from another thread). Raises RequestError."""
+        return self.intake.prepare(request, request_id, num_queued, self.new_request_id)
 
     def compile_guide(self, request: Request) -> None:
-        """Compiles the request's guide into the cache now (errors as `guide`): the executor
-        calls this on the caller's thread before taking its lock, so a large schema's compile
-        never holds up the engine loop, and `prepare` finds the grammar in the cache."""
-        if request.guided_decoding_params is not None:
-            self._grammar_compiler_for_requests().compile(request.guided_decoding_params)
+        """Compiles the request's guide into the cache now (RequestError if it does not
+        compile): the executor calls this on the caller's thread before taking its lock, so a
+        large schema's compile never holds up the engine loop."""
+        self.intake.compile_guide(request)
 
-    def _grammar_compiler_for_requests(self):
-        if self.grammars is None:
-            raise RequestError(GUIDED_DECODING_OFF)
-        return self.grammars
-
-    def _new_state(self, request: Request, request_id: int, key: int, index: int,
-                   bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
-        """Sequence `index` of a request. Only the first returns the prompt's logits, and it
-        then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
-        want_context_logits = request.output_config.return_context_logits and index == 0
-        beam_width = request.sampling_config.beam_width
-        seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
-                       max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,
-                       fork_parent=parent, beam_width=beam_width)
-        outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
-        state_class = BeamRequestState if beam_width > 1 else RequestState
-        return state_class(request_id, request, seq, self._make_generator(request, index), bias, outputs,
-                           guide=self.guide(request), sequence_index=index)
+    @property
+    def grammars(self):
+        """The guided-decoding grammar compiler and cache (None when guided decoding is off)."""
+        return self.intake.grammars
 
     def admit(self, state: RequestState, first: bool = False) -> None:
         """Queue a sequence (`first`: at the head of the queue)."""
@@ -258,62 +182,6 @@ class LLMEngine:
             self._num_generation_logit_requests -= state.request.output_config.return_generation_logits
             self._awaiting_schedule.discard(state)
             self._awaiting_context.discard(state)
-
-    def _validate(self, request: Request) -> None:
-        vocab = self.model_config.vocab_size
-        num_prompt = len(request.input_token_ids)
-        if max(request.input_token_ids) >= vocab:
-            raise RequestError(f"input_token_ids hold id {max(request.input_token_ids)}, outside the "
-                               f"vocabulary of {vocab} tokens")
-        if num_prompt >= self.worker.max_seq_len:
-            raise RequestError(f"prompt of {num_prompt} tokens exceeds the model's maximum sequence "
-                               f"length of {self.worker.max_seq_len} tokens")
-        beam_width = request.sampling_config.beam_width
-        if beam_width > self.config.max_beam_width:
-            raise RequestError(f"beam_width {beam_width} exceeds max_beam_width ({self.config.max_beam_width})")
-        if 2 * beam_width > vocab:
-            raise RequestError(f"beam_width {beam_width} needs 2 * beam_width <= the vocabulary ({vocab})")
-        if beam_width > 1 and getattr(getattr(self.worker, "tp", None), "is_parallel", False):
-            raise RequestError("beam search is not supported with tensor_parallel_size > 1 yet")
-        if beam_width > 1 and request.guided_decoding_params is not None:
-            raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
-        if num_prompt + request.max_tokens > self.worker.max_seq_len:
-            raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) "
-                               f"exceeds the maximum sequence length of {self.worker.max_seq_len}; "
-                               f"ask for at most {self.worker.max_seq_len - num_prompt} tokens")
-        if request.end_id is not None and not (-1 <= request.end_id < vocab):
-            raise RequestError(f"end_id {request.end_id} is outside the vocabulary of {vocab} tokens")
-        for name in ("bad_words", "stop_words"):
-            for word in getattr(request, name) or []:
-                if min(word) < 0 or max(word) >= vocab:
-                    raise RequestError(f"{name} hold a token id outside the vocabulary of {vocab} tokens")
-        bias = request.embedding_bias
-        if bias is not None and len(bias) not in (0, vocab):
-            raise RequestError(f"embedding_bias has {len(bias)} entries; expected {vocab} (the vocabulary size)")
-        if bias is not None and len(bias):
-            values = torch.as_tensor(bias, dtype=torch.float32)
-            if bool(values.isnan().any() or values.isposinf().any()):
-                raise RequestError("embedding_bias (the ensemble's embedding_bias_weights) holds NaN or "
-                                   "+inf; it must be finite (or -inf to ban a token)")
-
-    def _make_generator(self, request: Request, index: int = 0) -> torch.Generator | None:
-        """The RNG of sequence `index`: seeded `seed + index`, so the first sequence draws what
-        the same request with one sequence draws."""
-        if request.sampling_config.is_greedy:
-            return None
-        generator = torch.Generator(device=self.worker.device)
-        seed = request.sampling_config.seed
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed((seed + index) % 2**63)
-        return generator
-
-    def _embedding_bias(self, request: Request) -> torch.Tensor | None:
-        bias = request.embedding_bias
-        if bias is None or len(bias) == 0:
-            return None
-        return torch.as_tensor(bias, dtype=torch.float32).to(self.worker.device)
 
     def cancel(self, request_id: int) -> Response | None:
         """Stop a request (every sequence of it) now; returns its final (cancelled) response,
@@ -372,7 +240,7 @@ class LLMEngine:
                       else self.worker.execute(batch, *args, **kwargs))
         except Exception as exc:  # a failed step fails its requests, not the engine
             if breaks_device(exc):
-                raise _fatal(exc) from exc
+                raise as_fatal(exc) from exc
             logger.exception("engine step %d failed", self.iteration)
             responses += self._drain()  # the previous step's tokens are still good
             return responses + self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
@@ -424,7 +292,7 @@ class LLMEngine:
             output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
         except Exception as exc:  # the device step failed after it was queued
             if breaks_device(exc):
-                raise _fatal(exc) from exc
+                raise as_fatal(exc) from exc
             logger.exception("engine step failed while its tokens were read")
             return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         if flight.context_owners:

@@ -16,8 +16,8 @@ once as an eager step through the real model and sampler:
 
 The steps run against the real KV cache (its strides and sizes are part of the key), every
 row's blocks pointing at block 0: at start-up no block holds anything, and a request writes
-its positions before it reads them. Decode CUDA graphs compile their own variants when they
-are captured (one per bucket), which also happens before the first request.
+its positions before it reads them. CUDA graphs (decode and mixed-step buckets) compile their
+own variants when they are captured, which also happens before the first request.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A step is prepare inputs → run model → sample (`Worker.execute`, or `launch` + `result()`):
 - `prepare_inputs` turns the scheduler's rows into a `StepInput` with the step's one host →
   device transfer: into the static buffers of a CUDA graph for decode steps that fit a
-  captured bucket, else as a `StepMetadata` from which the attention backend builds its own;
+  captured batch bucket and mixed steps that fit a token bucket (no prompt logits), else as
+  a `StepMetadata` from which the attention backend builds its own;
 - `run_model` replays the bucket's graph, or runs the forward pass and the LM head over the
   sampled rows eagerly;
 - `sample` applies logits hooks and samples on the device, then queues the copy of the
@@ -36,10 +37,12 @@ import torch
 
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
-from inflight.cuda_graph import CudaGraphRunner, GraphStep
+from inflight.cuda_graph import CudaGraphRunner, GraphStep, MixedStep
+from inflight.fatal_errors import EngineFatalError
 from inflight.distributed.group import TensorParallel
 from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
+from inflight.mixed_graph import mixed_token_buckets
 from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
                                       resolve_attention_backend)
 from inflight.model.config import ModelConfig
@@ -67,7 +70,7 @@ class StepInput:
 
     metadata: StepMetadata | None  # the step's layout (backend-neutral), with its input ids
     attn_metadata: Any  # the attention backend's metadata for this step (eager)
-    graph_step: GraphStep | None  # a decode step staged in a CUDA graph's static inputs
+    graph_step: GraphStep | MixedStep | None  # a step staged in a CUDA graph's static inputs
     sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
     logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
     request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
@@ -161,9 +164,10 @@ class Worker:
         self.sampled_ids = torch.zeros(config.max_batch_size, dtype=torch.int64, device=self.device)
         self.graph_runner: CudaGraphRunner | None = None
         if self.cuda_graph_mode:  # static buffers before the KV cache is sized
+            mixed = mixed_token_buckets(self.max_num_tokens) if perf.cuda_graph_mixed_steps else ()
             self.graph_runner = CudaGraphRunner(
                 self.model, perf.cuda_graph_batch_sizes(config.max_batch_size), self.max_seq_len,
-                self.block_size, self.sampled_ids, self.device)
+                self.block_size, self.sampled_ids, self.device, mixed, config.max_batch_size)
         self.kv_caches: list[torch.Tensor] = []
         # Peak device memory of the largest step, weights included (0: not measured, on CPU).
         self.peak_step_bytes = self._profile_peak_memory(config) if self.device.type == "cuda" else 0
@@ -185,7 +189,7 @@ class Worker:
             if explicit:
                 raise
             # cuda_graph_mode auto: serve eagerly rather than not at all.
-            logger.exception("capturing the decode CUDA graphs failed; decode steps run eagerly")
+            logger.exception("capturing the CUDA graphs failed; every step runs eagerly")
             self.graph_runner = None
             self.cuda_graph_mode = False
             torch.cuda.synchronize(self.device)  # a broken context raises here: start-up fails
@@ -224,7 +228,6 @@ class Worker:
         try:  # step fails here, before the other ranks are told to run it
             self.ranks.send_step(plan)
         except Exception as exc:  # a rank is gone: no step can run any more
-            from inflight.engine import EngineFatalError  # the engine imports this module
             raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
         return self._run(step)
 
@@ -252,6 +255,13 @@ class Worker:
             raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
         if not context_logits and self._fits_graph(batch):
             graph_step = self.graph_runner.stage_decode(batch.scheduled)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
+        runner = self.graph_runner
+        if (not context_logits and runner is not None
+                and runner.mixed_bucket_for(batch.num_tokens, len(batch.scheduled)) is not None):
+            graph_step = runner.stage_mixed([
+                (s.start_position, s.seq.token_ids[s.start_position:s.context_len], s.is_sampled,
+                 s.seq.block_table) for s in batch.scheduled])
             return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
         input_ids: list[int] = []
         row_starts: list[int] = []  # each row's first token in input_ids
@@ -297,6 +307,12 @@ class Worker:
         runner = self.graph_runner
         if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
             graph_step = runner.stage_plan(plan)
+            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
+                             num_sampled)
+        if (runner is not None
+                and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None):
+            graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled,
+                                                     plan.block_tables)))
             return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
                              num_sampled)
         input_ids: list[int] = []

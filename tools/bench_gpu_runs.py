@@ -259,6 +259,13 @@ def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         engine.cancel(rid)
     while engine.has_unfinished():
         engine.step()
+    return dict(batch=batch, **kernel_summary(prof, num_steps, wall, top))
+
+
+def kernel_summary(prof, num_steps: int, wall: float, top: int = 0) -> dict:
+    """Kernels per step, GPU busy (union of kernel intervals) and wall ms per step of a
+    torch.profiler run over `num_steps` steps taking `wall` seconds; with `top`, the `top`
+    kernels by GPU time (name, us and launches per step, % of the busy time)."""
     kernels, intervals, by_name = 0, [], {}
     for evt in prof.events():
         if getattr(evt.device_type, "name", "") == "CUDA":
@@ -272,7 +279,7 @@ def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         if e > last_end:
             busy_us += e - max(s, last_end)
             last_end = e
-    result = {"batch": batch, "kernels_per_step": kernels / num_steps,
+    result = {"kernels_per_step": kernels / num_steps,
               "gpu_busy_ms_per_step": busy_us / 1e3 / num_steps,
               "wall_ms_per_step": wall * 1e3 / num_steps}
     if top:

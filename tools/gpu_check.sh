@@ -15,6 +15,9 @@
 #   bash tools/gpu_check.sh profile     # ~3 min: per-kernel GPU time per decode step, 1B and 8B
 #                                       # at batch 1/64/256, kernels per step, GPU busy vs wall
 #   bash tools/gpu_check.sh tune        # jit then profile (~6 min)
+#   bash tools/gpu_check.sh mixed       # ~3.5 min: mixed-step graphs: their kernel and runner tests
+#                                       # compiled, parity (staggered paths), the staggered-arrival
+#                                       # bench (tools/bench_gpu_mixed.py), jit on the 1B shape
 #
 # Every stage has its own time limit and runs whatever the others did. Logs and results go to
 # $OUT (the device tool brings them back; default /tmp/gpu_check): gpu_check.log, kernels.log,
@@ -53,7 +56,16 @@ if [[ $what == all || $what == tests ]]; then
     $PY -m pytest -q -p no:cacheprovider tests/kernels
   stage "model tier on CUDA" 75 model.log \
     $PY -m pytest -q -p no:cacheprovider tests/model/test_triton_backend.py tests/model/test_cuda_graph_runner.py
-  stage "parity + sync audit" 140 parity.log $PY tools/gpu_parity.py
+  stage "parity + sync audit" 200 parity.log $PY tools/gpu_parity.py
+fi
+if [[ $what == mixed ]]; then
+  stage "mixed kernels + graph runner" 120 kernels.log \
+    $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mixed_attention.py \
+    tests/kernels/test_prefill_attention.py tests/model/test_cuda_graph_runner.py
+  stage "parity + sync audit" 200 parity.log $PY tools/gpu_parity.py
+  stage "mixed steps: staggered bench" 200 mixed.log $PY tools/bench_gpu_mixed.py --out "$OUT"
+  stage "jit compiles after start-up (1B)" 150 jit.log \
+    $PY tools/bench_gpu_checks.py jit --shapes llama-3.2-1b --out "$OUT"
 fi
 if [[ $what == beam ]]; then
   stage "beam search on CUDA" 280 beam.log \
@@ -94,6 +106,10 @@ fi
   if [[ -f $OUT/jit.log ]]; then
     echo "--- jit.log ---"
     grep -E '^(RESULT|==|  COMPILED|  [0-9a-z].*step)' "$OUT/jit.log"
+  fi
+  if [[ -f $OUT/mixed.log ]]; then
+    echo "--- mixed.log ---"
+    grep -E '^(  staggered|  steady|staggered|\||llama|tiny)' "$OUT/mixed.log"
   fi
   if [[ -f $OUT/profile.log ]]; then
     echo "--- profile.log ---"

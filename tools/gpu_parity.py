@@ -8,7 +8,10 @@ Models: the tiny random Llama of the CPU tests (llama3 RoPE, biases, well-separa
 greedy tokens are decided by the model, not by float noise) and a random model in SmolLM2-135M's
 shape (576 wide, 30 layers, 9 q / 3 KV heads of 64: the project's default model).
 Paths (engine configs): torch eager (the reference backend), triton eager, triton + CUDA graphs,
-triton + graphs + overlapped scheduling, triton eager + overlap.
+triton + graphs + overlapped scheduling, triton eager + overlap; then, with staggered arrivals
+(request i joins at step 2 i, beside the others' decode rows: mixed steps), triton + graphs with
+mixed-step graphs, with overlap, and with mixed-step graphs off. Each graph path prints how many
+decode and mixed steps replayed graphs; a staggered path with mixed graphs on must replay some.
 
 Checks, every path, 4 prompts in flight together, 24 greedy tokens, end id off:
   - fp32: tokens equal HF fp32 on the same device token for token. On the SmolLM2 shape a
@@ -48,11 +51,18 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
                      initializer_range=0.05)
-# name: (attention_backend, cuda_graph_mode, enable_overlap_scheduler)
+# name: (attention_backend, cuda_graph_mode, enable_overlap_scheduler[, mixed-step graphs, staggered])
 PATHS = {"torch eager": ("torch", False, False), "triton eager": ("triton", False, False),
          "triton graphs": ("triton", True, False), "triton graphs+overlap": ("triton", True, True),
-         "triton eager+overlap": ("triton", False, True)}
-CPU_PATHS = {"torch eager": ("torch", False, False), "torch eager+overlap": ("torch", False, True)}
+         "triton eager+overlap": ("triton", False, True),
+         "staggered graphs": ("triton", True, False, True, True),
+         "staggered graphs+overlap": ("triton", True, True, True, True),
+         "staggered graphs, mixed off": ("triton", True, True, False, True)}
+CPU_PATHS = {"torch eager": ("torch", False, False), "torch eager+overlap": ("torch", False, True),
+             "staggered torch eager": ("torch", False, True, True, True)}
+# Steps hold at most the 4 prompts (71 tokens): mixed-step buckets 64 .. 256 (fewer captures).
+MAX_NUM_TOKENS = 256
+REPLAYS: dict[str, tuple[int, int]] = {}  # path -> (decode, mixed) graph replays of its last run
 
 
 def log(msg: str) -> None:
@@ -79,22 +89,48 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
 
 
-def engine_greedy(folder: Path, prompts, device: str, dtype: str, path: tuple) -> tuple[list, LLMEngine]:
-    backend, graphs, overlap = path
+def engine_greedy(folder: Path, prompts, device: str, dtype: str, path: tuple,
+                  name: str = "") -> tuple[list, LLMEngine]:
+    backend, graphs, overlap, mixed, staggered = (*path, True, False)[:5]
     engine = LLMEngine.from_dir(str(folder), ExecutorConfig(
-        device=device, dtype=dtype, max_batch_size=8, max_seq_len=256, attention_backend=backend,
-        enable_overlap_scheduler=overlap, kv_cache_config=KvCacheConfig(max_tokens=8 * 256),
-        extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(cuda_graph_mode=graphs)))
+        device=device, dtype=dtype, max_batch_size=8, max_seq_len=256, max_num_tokens=MAX_NUM_TOKENS,
+        attention_backend=backend, enable_overlap_scheduler=overlap,
+        kv_cache_config=KvCacheConfig(max_tokens=8 * 256),
+        extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
+            cuda_graph_mode=graphs, cuda_graph_mixed_steps=mixed)))
+    runner = engine.worker.graph_runner
+    replays = count_replays(runner)
     generated_only = OutputConfig(exclude_input_from_output=True)
-    ids = [engine.add_request(Request(p, NUM_TOKENS, output_config=generated_only)) for p in prompts]
-    out = {}
-    while engine.has_unfinished():
+    waiting = list(prompts) if staggered else []
+    ids = [engine.add_request(Request(p, NUM_TOKENS, output_config=generated_only))
+           for p in (prompts if not staggered else [])]
+    out, step = {}, 0
+    while waiting or engine.has_unfinished():
+        if waiting and step % 2 == 0:  # staggered: one arrival every other step
+            ids.append(engine.add_request(Request(waiting.pop(0), NUM_TOKENS, output_config=generated_only)))
+        step += 1
         for r in engine.step():
             if r.has_error():
                 raise RuntimeError(r.error_msg)
             if r.result.is_final:
                 out[r.request_id] = r.result.output_token_ids[0]
+    if name:
+        REPLAYS[name] = tuple(replays)
     return [out[i] for i in ids], engine
+
+
+def count_replays(runner) -> list[int]:
+    """[decode, mixed] graph replays of `runner` from now on (a live list)."""
+    counts = [0, 0]
+    if runner is None:
+        return counts
+    real_replay = runner.replay
+
+    def replay(step):
+        counts[type(step).__name__ == "MixedStep"] += 1
+        return real_replay(step)
+    runner.replay = replay
+    return counts
 
 
 @torch.inference_mode()
@@ -136,13 +172,20 @@ def check_fp32(name, hf, cfg, prompts, ref, runs, device) -> bool:
             notes.append(f"diverges at {d} (fp32 margin {margin:.2e}, noise bound "
                          f"{bound_factor * scale:.2e}: {'near tie, accepted' if tie else 'FAIL'})")
         same = len(prompts) - len(notes)
-        log(f"PARITY {name} fp32 {path:<22} {same}/{len(prompts)} prompts identical to HF fp32"
+        decode, mixed = REPLAYS.get(path, (0, 0))
+        spec = (*PATHS.get(path, CPU_PATHS.get(path, ())), True, False)
+        if spec[1] and spec[3] and spec[4] and device.startswith("cuda") and not mixed:
+            ok = False
+            notes.append("FAIL: no mixed step replayed a graph")
+        log(f"PARITY {name} fp32 {path:<28} {same}/{len(prompts)} prompts identical to HF fp32; "
+            f"graph replays: {decode} decode, {mixed} mixed"
             + (f"; {'; '.join(notes)}" if notes else ""))
     return ok
 
 
 def sync_audit(folder: Path, path_name: str, path: tuple, device: str) -> bool:
     _, engine = engine_greedy(folder, [[5, 6, 7]], device, "bfloat16", path)  # build + warm
+    replays = count_replays(engine.worker.graph_runner)
     for _ in range(2):
         engine.add_request(Request([11, 12, 13, 14], 12))
     for _ in range(4):
@@ -158,11 +201,14 @@ def sync_audit(folder: Path, path_name: str, path: tuple, device: str) -> bool:
         if label == "prefill+prompt logits":
             engine.add_request(Request(list(range(60, 90)), 4,
                                        output_config=OutputConfig(return_context_logits=True)))
+        before = list(replays)
         flagged, waits = audited_step(engine)
         ok &= flagged == 0 and waits == 1
         graphs = engine.worker.graph_runner is not None
+        kind = ("decode graph" if replays[0] > before[0] else "mixed graph" if replays[1] > before[1]
+                else "eager")
         log(f"SYNC {path_name:<22} {label:<15} flagged syncs {flagged} (expect 0), sampled-id waits {waits} "
-            f"(expect 1){' [graphs captured]' if graphs else ''}")
+            f"(expect 1){' [graphs captured]' if graphs else ''} [{kind} step]")
     return ok
 
 
@@ -211,7 +257,7 @@ def main() -> int:
             try:
                 hf32 = hf.to(device=device, dtype=torch.float32)
                 refs[name] = hf_greedy(hf32, prompts, device)
-                runs = {path: engine_greedy(folder, prompts, device, "float32", spec)[0]
+                runs = {path: engine_greedy(folder, prompts, device, "float32", spec, path)[0]
                         for path, spec in paths.items()}
                 ok &= check_fp32(name, hf32, hf.config, prompts, refs[name], runs, device)
             except Exception as exc:  # noqa: BLE001 - report, go on with the rest
@@ -222,6 +268,8 @@ def main() -> int:
         if on_cuda:
             folder = models["SmolLM2 shape"][0]
             for path_name, spec in paths.items():
+                if len(spec) > 3:  # the staggered paths: the same engines as the ones above
+                    continue
                 try:
                     ok &= sync_audit(folder, path_name, spec, device)
                 except Exception as exc:  # noqa: BLE001
@@ -233,6 +281,8 @@ def main() -> int:
                     continue
                 prompts = prompts_for(hf.config.vocab_size)
                 for path, spec in paths.items():
+                    if len(spec) > 3 and path != "staggered graphs+overlap":
+                        continue
                     try:
                         outs = engine_greedy(folder, prompts, device, "bfloat16", spec)[0]
                     except Exception as exc:  # noqa: BLE001

@@ -5,18 +5,19 @@
 Triton is started by `tools/launch_triton_server.py` (every flag but this tool's own goes to it
 unchanged), the frontend by `python -m openai_frontend` once Triton is ready; then both
 addresses are printed. Ctrl-C or SIGTERM stops the frontend first (so no new request arrives),
-then the launcher, which stops Triton. If either child exits, the other is stopped and this tool
-exits non-zero. Each child runs in its own session, so a terminal's Ctrl-C reaches this tool
-only, and gets SIGINT if this tool dies, so no process is orphaned.
+then the launcher, which drains and stops Triton; a second signal is passed on to the launcher,
+which then ends the requests in flight at once. If either child exits, the other is stopped and
+this tool exits non-zero. Children are supervised as `tools/supervisor.py` describes: each in its
+own session, killed by the kernel if this tool dies.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -25,27 +26,17 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
 import launch_triton_server  # noqa: E402
+from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup() -> None:
-    """In the child: default SIGINT (a shell may have started us with it ignored), and SIGINT
-    when the parent dies. SIGINT is what the launcher and uvicorn stop cleanly on."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
-    except (OSError, AttributeError):  # not Linux: the explicit stop below still applies
-        pass
-
-
-def _interrupt(signum, frame) -> None:
-    """SIGTERM takes the same way out as Ctrl-C."""
-    raise KeyboardInterrupt()
+# The frontend stops at once (its streams are Triton's, which the launcher drains).
+FRONTEND_STOP_TIMEOUT_S = 15
+# Beyond the launcher's own drain and stop: Python start-up, the drain request, slack.
+LAUNCHER_STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_child_setup,
+    """A supervised child: its own session, SIGKILLed by the kernel if this process dies."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(),
                             cwd=str(TOOLS.parent))
 
 
@@ -71,15 +62,22 @@ def wait_http_ok(process: subprocess.Popen, url: str, timeout_s: float, what: st
 
 
 def stop(process: subprocess.Popen | None, timeout_s: float) -> None:
-    """SIGINT, then SIGKILL after `timeout_s`."""
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    """SIGTERM, then SIGKILL (its whole session) after `timeout_s`."""
+    if process is not None:
+        terminate(process, timeout_s, "the child")
+
+
+def stop_launcher(launcher: subprocess.Popen, timeout_s: float, hurry: threading.Event) -> None:
+    """SIGTERM the launcher (it drains, then stops Triton); pass a second signal on as a second
+    SIGTERM (the launcher's `hurry`); SIGKILL its session after `timeout_s`."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while launcher.poll() is None and time.monotonic() < deadline:
+            if hurry.wait(0.2):
+                launcher.send_signal(signal.SIGTERM)
+                hurry.clear()
+    terminate(launcher, 0, "tritonserver's launcher")
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -99,11 +97,13 @@ def main(argv=None) -> int:
     args, launcher_argv = parse_args(argv)
     triton = launch_triton_server.parse_args(launcher_argv)  # to know its ports; it parses them again
     local = "127.0.0.1" if triton.host in ("0.0.0.0", "") else triton.host
-    signal.signal(signal.SIGTERM, _interrupt)
+    signals = StopSignals().install()
     launcher = frontend = None
     try:
         launcher = start([sys.executable, str(TOOLS / "launch_triton_server.py"), *launcher_argv])
-        launch_triton_server.wait_ready(launcher, triton.host, triton.http_port, triton.ready_timeout)
+        if not launch_triton_server.wait_ready(launcher, triton.host, triton.http_port,
+                                               triton.ready_timeout, signals.stop):
+            return 0
         extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
         frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
                                           extra))
@@ -113,21 +113,20 @@ def main(argv=None) -> int:
               f"metrics http://{triton.host}:{triton.metrics_port}/metrics", flush=True)
         print(f"OpenAI API: http://{triton.host}:{args.openai_port}/v1  "
               f"(model '{args.served_model_name or 'ensemble'}'; Ctrl-C stops both)", flush=True)
-        while launcher.poll() is None and frontend.poll() is None:
-            time.sleep(0.5)
-        which = "tritonserver's launcher" if launcher.poll() is not None else "the OpenAI frontend"
-        print(f"error: {which} exited; stopping the other", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        exited = watch([launcher, frontend], signals.stop)
+        if exited is not None:
+            which = "tritonserver's launcher" if exited is launcher else "the OpenAI frontend"
+            print(f"error: {which} exited; stopping the other", file=sys.stderr)
+            return 1
         print("stopping the OpenAI frontend and tritonserver", flush=True)
         return 0
     except launch_triton_server.ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        stop(frontend, timeout_s=15)
-        stop(launcher, timeout_s=90)
+        stop(frontend, FRONTEND_STOP_TIMEOUT_S)
+        if launcher is not None:
+            stop_launcher(launcher, triton.exit_timeout + LAUNCHER_STOP_SLACK_S, signals.hurry)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,15 @@ class ExtendedRuntimePerfKnobConfig:
 
     `cuda_graph_mode` replays decode steps from CUDA graphs captured at start-up, one per
     decode batch-size bucket (`cuda_graph_batch_sizes`); a step of B rows runs in the smallest
-    captured bucket >= B, padded, and larger or mixed steps run eagerly. It needs an attention
-    backend with `supports_cuda_graphs` and is ignored on a CPU. None (pbtxt "auto", our
+    captured bucket >= B, padded (larger and mixed steps: `cuda_graph_mixed_steps`). It needs
+    an attention backend with `supports_cuda_graphs` and is ignored on a CPU. None (pbtxt "auto", our
     default) turns it on wherever it can run: users of this engine expect the fast path
     without tuning, while TensorRT-LLM's default (false) would leave small models launch-bound;
     write false for eager decode (debugging, profiling single kernels).
     `cuda_graph_cache_size` is how many buckets are captured: 0 means all of them.
+    `cuda_graph_mixed_steps` (ours) also captures mixed steps (prompts computed beside decode
+    rows, as staggered arrivals make them), one graph per token bucket up to 2048 tokens
+    (`inflight.mixed_graph`); false runs them eagerly. Only with `cuda_graph_mode` on.
     `multi_block_mode` lets decode attention split a long context over several thread blocks
     (split-K) in the Triton backend. `enable_context_fmha_fp32_acc` is accepted for
     compatibility: our attention always accumulates in fp32.
@@ -99,6 +102,7 @@ class ExtendedRuntimePerfKnobConfig:
     enable_context_fmha_fp32_acc: bool = False
     cuda_graph_mode: bool | None = None
     cuda_graph_cache_size: int = 0
+    cuda_graph_mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         _check(self.cuda_graph_cache_size >= 0,

@@ -7,6 +7,8 @@ One module per kernel family, each documenting the tensor layout it expects:
                        choose_num_partitions(...), DecodeWorkspace
     prefill_attention  paged_prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens,
                        max_query_len, scale, ...)
+    mixed_attention    paged_mixed_attention(q, kv_cache, block_tables, query_start_loc, seq_lens,
+                       scale, ...): one fixed-grid launch for a padded mixed step (CUDA graphs)
     norm               rms_norm(x, weight, eps, out=None), fused_add_rms_norm(x, residual, weight, eps)
     rotary             apply_rotary(q, k, positions, cos, sin)
     activation         silu_and_mul(gate_up, out=None)
@@ -31,6 +33,7 @@ _EXPORTS = {
     "choose_num_partitions": "paged_attention",
     "DecodeWorkspace": "paged_attention",
     "paged_prefill_attention": "prefill_attention",
+    "paged_mixed_attention": "mixed_attention",
     "rms_norm": "norm",
     "fused_add_rms_norm": "norm",
     "apply_rotary": "rotary",

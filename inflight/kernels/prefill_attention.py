@@ -58,20 +58,15 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
     return acc, l_i, m_i
 
 
-# The block-table width and the metadata pointers vary per step: not specialized on (see
-# paged_attention._decode_kernel).
-@triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
-                                            "seq_lens_ptr"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-                    out_ptr, scale_log2,
-                    stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
-                    stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    tile_m = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest tiles first
+@triton.jit
+def _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+                row, kv_head, tile_m, scale_log2,
+                stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
+                stride_ot, stride_oh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Folded tile `tile_m` of row `row`, KV head `kv_head` (see the module docstring); a tile
+    past the row's queries stores nothing."""
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
@@ -90,11 +85,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
     q = tl.load(q_ptr + q_offs, mask=r_valid[:, None], other=0.0)  # [BLOCK_M, D]
 
     # Keys [0, full_hi) are visible to every query of the tile; [full_hi, key_hi) need the mask.
-    # A tile past the row's queries (shorter rows of the grid) has no key range at all.
+    # A tile past the row's queries (shorter rows of the grid) has no key range at all, nor
+    # has a row with more queries than context (a mixed graph's padding row: seq_len 0).
     tile_used = first < num_rows
     last_query = (tl.minimum(first + BLOCK_M, num_rows) - 1) // GROUP
-    key_hi = tl.where(tile_used, ctx_start + last_query + 1, 0)
-    full_hi = tl.where(tile_used, (ctx_start + first // GROUP) // BLOCK_N * BLOCK_N, 0)
+    key_hi = tl.maximum(tl.where(tile_used, ctx_start + last_query + 1, 0), 0)
+    full_hi = tl.maximum(tl.where(tile_used, (ctx_start + first // GROUP) // BLOCK_N * BLOCK_N, 0), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -110,6 +106,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = token[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=r_valid[:, None])
+
+
+# The block-table width and the metadata pointers vary per step: not specialized on (see
+# paged_attention._decode_kernel).
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+                    out_ptr, scale_log2,
+                    stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
+                    stride_ot, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile_m = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest tiles first
+    _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+                tl.program_id(0), tl.program_id(1), tile_m, scale_log2,
+                stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
+                stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION)
 
 
 def default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:

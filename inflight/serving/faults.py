@@ -10,7 +10,7 @@ which the engine stops for good and the model unloads itself. Never set it in pr
 from __future__ import annotations
 
 from inflight.core.outputs import SchedulerOutput
-from inflight.engine import EngineFatalError
+from inflight.fatal_errors import EngineFatalError
 
 ENV_VAR = "INFLIGHT_TEST_FAULT"
 

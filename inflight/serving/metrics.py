@@ -121,7 +121,10 @@ class TritonMetrics:
             self.metrics[key].set(value)
 
     def close(self) -> None:
-        # Metrics must go before their families.
+        """Release every metric, then every family, while the stub's shared memory still
+        exists: a family freed later, when the stub itself is torn down, writes to shared
+        memory that is gone (a segfault at shutdown)."""
         self.metrics.clear()
         self.histograms.clear()
+        self.gauges.clear()  # holds the gauge families too
         self.families.clear()

@@ -52,12 +52,13 @@ class Knob:
 
 
 # The GPU fast-path knobs. NVIDIA's keys where TensorRT-LLM has one (ExtendedRuntimePerfKnobConfig);
-# attention_backend and enable_overlap_scheduler are ours.
+# attention_backend, enable_overlap_scheduler and cuda_graph_mixed_steps are ours.
 KNOBS = (
     Knob("attention_backend", ExecutorConfig, "attention_backend", get_str),
     Knob("enable_overlap_scheduler", ExecutorConfig, "enable_overlap_scheduler", get_auto_bool),
     Knob("cuda_graph_mode", ExtendedRuntimePerfKnobConfig, "cuda_graph_mode", get_auto_bool),
     Knob("cuda_graph_cache_size", ExtendedRuntimePerfKnobConfig, "cuda_graph_cache_size", get_int),
+    Knob("cuda_graph_mixed_steps", ExtendedRuntimePerfKnobConfig, "cuda_graph_mixed_steps", get_bool),
     Knob("multi_block_mode", ExtendedRuntimePerfKnobConfig, "multi_block_mode", get_bool),
     Knob("enable_context_fmha_fp32_acc", ExtendedRuntimePerfKnobConfig,
          "enable_context_fmha_fp32_acc", get_bool),

@@ -1,6 +1,6 @@
-"""The CUDA-graph runner's static inputs: staging layout, padding rows, tokens still on the
-device, the LM head into the shared logits buffer. Without CUDA the runner runs the captured
-body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
+"""The CUDA-graph runner's static inputs (decode and mixed steps): staging layout, padding rows
+and tokens, tokens still on the device, the LM head into the shared logits buffer. Without
+CUDA the runner runs the captured body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
 graph replays; with CUDA (tools/gpu_check.sh) the graphs are captured and replayed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
 pytest.importorskip("triton")
 
-from inflight.cuda_graph import CudaGraphRunner, StaticLayout  # noqa: E402
+from inflight.cuda_graph import CudaGraphRunner, GraphStep, MixedStep, StaticLayout  # noqa: E402
 from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 from tests.model.tolerances import logits_tolerance  # noqa: E402
@@ -88,20 +88,28 @@ def test_staged_decode_step_matches_the_eager_step(model):
 
 
 @pytest.mark.skipif(ON_CUDA, reason="a CPU engine (interpreted kernels); tools/gpu_parity.py runs it on CUDA")
-def test_engine_replays_decode_steps_through_the_runner(tmp_path_factory):
-    """The worker's graph path end to end, with overlap: decode steps are staged and replayed
-    by the runner (eager replay here), tokens still on the device come from the last sample;
-    the outputs equal the synchronous torch engine's."""
-    from tests.model.engine_utils import gen_request, make_engine, run
+def test_engine_replays_decode_and_mixed_steps_through_the_runner(tmp_path_factory):
+    """The worker's graph paths end to end, with overlap and staggered arrivals: decode steps
+    replay decode buckets, a prompt beside decode rows replays a mixed bucket (a prompt too
+    long for it runs eagerly), tokens still on the device come from the last sample; the
+    outputs equal the synchronous torch engine's."""
+    from tests.model.engine_utils import gen_request, make_engine
 
     path = tmp_path_factory.mktemp("llama3-engine")
     save_tiny_checkpoint("llama3", path)
     prompts = [[5, 9, 41, 7, 300], list(range(30, 52)), [400, 401, 3]]
 
-    def requests():
-        return [gen_request(p, 6, end_id=-1, streaming=True) for p in prompts]
+    def staggered(engine):  # request i arrives at step 2 i
+        outputs, step, waiting = {}, 0, list(prompts)
+        while waiting or engine.has_unfinished():
+            if waiting and step % 2 == 0:
+                outputs[engine.add_request(gen_request(waiting.pop(0), 5, end_id=-1))] = []
+            for r in engine.step():
+                outputs[r.request_id] += r.result.output_token_ids[0]
+            step += 1
+        return list(outputs.values())
 
-    expected = run(make_engine(path), requests())
+    expected = staggered(make_engine(path))
     engine = make_engine(path, enable_overlap_scheduler=True)
     worker = engine.worker
     model, config = load_model(path, torch.float32, "cpu", "triton")
@@ -111,14 +119,69 @@ def test_engine_replays_decode_steps_through_the_runner(tmp_path_factory):
         device=torch.device("cpu")))
     worker.model, worker.backend = model, model.attention_backend
     runner = CudaGraphRunner(model, (1, 2, 4), worker.max_seq_len, worker.block_size,
-                             worker.sampled_ids, torch.device("cpu"))
+                             worker.sampled_ids, torch.device("cpu"), mixed_token_buckets=(16,),
+                             max_num_seqs=engine.config.max_batch_size)
     runner.bind(worker.kv_caches)
     worker.graph_runner = runner
     replays = []
     real_replay = runner.replay
     runner.replay = lambda step: replays.append(step) or real_replay(step)
-    got = run(engine, requests())
-    assert [[r.result.output_token_ids for r in rs] for rs in got] == \
-        [[r.result.output_token_ids for r in rs] for rs in expected]
-    assert len(replays) >= 4 and all(s.batch_size == 4 and s.num_rows == 3 for s in replays)
-    assert any(s.num_pending == 3 for s in replays), "overlapped steps read their tokens on the device"
+    assert staggered(engine) == expected
+    decode = [s for s in replays if isinstance(s, GraphStep)]
+    mixed = [s for s in replays if isinstance(s, MixedStep)]
+    assert len(decode) >= 4 and any(s.num_pending == s.num_rows == 2 for s in decode), \
+        "overlapped steps read their tokens on the device"
+    # The first prompt alone, then the third beside two decode rows; the second is too long.
+    assert [(s.num_sampled, s.num_pending) for s in mixed] == [(1, 0), (3, 2)]
+
+
+def test_staged_mixed_step_matches_the_eager_step(model):
+    """A prompt, a chunk after cached tokens (not sampled) and a decode row whose token is
+    still on the device, in one padded mixed bucket: the sampled rows' logits equal the eager
+    step's, and only real tokens reach the cache."""
+    model, config = model
+    caches = allocate_kv_caches(config, 24, BLOCK, torch.float32, DEVICE)
+    decode_prompt, chunk_prompt = list(range(10, 27)), list(range(60, 80))
+    tables = [[3, 17, 5], [9, 0, 22], [11, 12]]
+    for prompt, table, n in ((decode_prompt, tables[0], 17), (chunk_prompt, tables[1], 8)):
+        meta = StepMetadata.build([(0, n, table)], BLOCK, DEVICE, input_ids=prompt[:n])
+        model(meta.input_ids, meta.positions, caches, model.attention_backend.build_metadata(meta))
+    saved = [c.clone() for c in caches]
+    new_prompt = [7, 300, 41, 9, 2, 66]
+    rows = [(17, [123], True, tables[0]), (8, chunk_prompt[8:13], False, tables[1]),
+            (0, new_prompt, True, tables[2])]
+    eager = StepMetadata.build([(s, len(t), table) for s, t, _, table in rows], BLOCK, DEVICE,
+                               input_ids=[t for _, tokens, _, _ in rows for t in tokens],
+                               sampled_rows=[0, 2])
+    hidden = model(eager.input_ids, eager.positions, caches, model.attention_backend.build_metadata(eager))
+    expected = model.compute_logits(hidden.index_select(0, eager.logits_indices))
+    after_eager = [c.clone() for c in caches]
+
+    sampled = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    sampled[2] = 123  # row 0's token is still "on the device": sampled row 2
+    runner = CudaGraphRunner(model, (1, 4), config.max_position_embeddings, BLOCK, sampled, DEVICE,
+                             mixed_token_buckets=(8, 16, 32), max_num_seqs=4)
+    for cache, copy in zip(caches, saved):
+        cache.copy_(copy)
+    if ON_CUDA:
+        runner.capture(caches)
+    else:
+        runner.bind(caches)
+    for cache, copy in zip(caches, saved):
+        cache.copy_(copy)
+    assert runner.mixed_bucket_for(12, 3) == 16 and runner.mixed_bucket_for(33, 3) is None
+    staged_rows = [(17, [-3], True, tables[0])] + rows[1:]
+    for _ in range(2):  # the second replay reads the same inputs from a fresh staging buffer
+        step = runner.stage_mixed(staged_rows)
+        assert (step.num_tokens, step.num_sampled, step.num_pending) == (16, 2, 1)
+        logits = runner.replay(step)
+        torch.testing.assert_close(logits, expected,
+                                   **logits_tolerance(expected, config.num_hidden_layers, config.hidden_size))
+    for cache, want in zip(caches, after_eager):
+        torch.testing.assert_close(cache, want, **logits_tolerance(want, config.num_hidden_layers,
+                                                                    config.hidden_size))
+    bucket = runner.mixed.buckets[16]
+    assert bucket.slot_mapping[12:].tolist() == [-1] * 4
+    assert bucket.buffers.query_start_loc.tolist() == [0, 1, 6, 12, 12, 16]
+    assert bucket.buffers.seq_lens.tolist() == [18, 13, 6, 0, 0]
+    assert bucket.logits_indices.tolist() == [0, 11, 0, 0]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from inflight.engine import EngineFatalError
+from inflight.fatal_errors import EngineFatalError
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.executor import Executor
 from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response

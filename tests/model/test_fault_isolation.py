@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine import EngineFatalError, LLMEngine, breaks_device
+from inflight.engine import LLMEngine
+from inflight.fatal_errors import EngineFatalError, breaks_device
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.types import Request
 from inflight.sampling.sampler import SamplerOutput

@@ -17,7 +17,8 @@ import transformers
 
 from ensemble.errors import ConfigError
 from inflight.distributed.launch import check_devices
-from inflight.engine import EngineFatalError, LLMEngine
+from inflight.engine import LLMEngine
+from inflight.fatal_errors import EngineFatalError
 from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig
 from inflight.model.config import ModelConfig
 from inflight.model.sharding import Shard, check_divisible, shard_for

@@ -51,7 +51,8 @@ def test_builder_renders_the_declared_defaults():
         sys.path.remove(str(TOOLS))
     assert template_defaults() == {"attention_backend": "auto", "enable_overlap_scheduler": "auto",
                                    "cuda_graph_mode": "auto", "cuda_graph_cache_size": "0",
-                                   "multi_block_mode": "true", "enable_context_fmha_fp32_acc": "false"}
+                                   "cuda_graph_mixed_steps": "true", "multi_block_mode": "true",
+                                   "enable_context_fmha_fp32_acc": "false"}
     for knob in KNOBS:
         assert build_repository.DEFAULTS[knob.key] == template_defaults()[knob.key]
         # The rendered default reads back as the dataclass default.

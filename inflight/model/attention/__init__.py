@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ensemble.errors import ConfigError
-from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers
+from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers, MixedBuffers
 from inflight.model.attention.metadata import Row, StepMetadata, cdiv
 
 logger = logging.getLogger(__name__)
@@ -83,5 +83,5 @@ def resolve_attention_backend(name: str, device: torch.device, cuda_graph_mode: 
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLimits", "BackendEntry",
-           "DEFAULT_ATTENTION_BACKENDS", "DecodeBuffers", "Row", "StepMetadata",
+           "DEFAULT_ATTENTION_BACKENDS", "DecodeBuffers", "MixedBuffers", "Row", "StepMetadata",
            "attention_backend_class", "cdiv", "get_attention_backend", "resolve_attention_backend"]

@@ -7,16 +7,21 @@ Life of a step with backend `b`:
     meta = b.build_metadata(step)                                # once per step, backend-private
     out = b.forward(q, k, v, kv_cache, meta, scale)              # every layer
 
-Under CUDA graphs (decode steps only) the graph runner instead, once at start-up,
+Under CUDA graphs (decode steps; mixed steps below) the graph runner instead, once at start-up,
     b.init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
     meta = b.graph_metadata(buffers)            # over one bucket's static `DecodeBuffers`
 and captures `forward` over `meta`. Before every replay the runner rewrites the static buffers
 (one host -> device copy) and calls `b.prepare_replay(buffers, seq_lens_host)`, which lets a
 backend refresh state it derives from them (the Triton backend derives none). Only backends
-with `supports_cuda_graphs` implement the graph hooks.
+with `supports_cuda_graphs` implement the graph hooks. Mixed steps (prefill and decode rows
+together) are captured per token bucket over `MixedBuffers` (`b.mixed_graph_metadata`) by
+backends with `supports_mixed_graphs`: their `forward` must then launch grids that depend on
+the bucket's shapes alone.
 
 Padding contract of a captured bucket: rows past the step's real ones have slot -1 (nothing is
 stored) and seq_len 0 (nothing is read; the output row is zeros). Nobody reads those outputs.
+In a mixed bucket, padding rows have no queries (query_start_loc repeats the step's token
+count) and seq_len 0; padding tokens have slot -1 and belong to no row (outputs undefined).
 """
 
 from __future__ import annotations
@@ -58,6 +63,18 @@ class DecodeBuffers:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class MixedBuffers:
+    """The inputs of a captured mixed step: views, at fixed addresses, of the graph runner's
+    static input buffer, for one token bucket of T tokens over R rows."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1 on padding tokens
+    query_start_loc: torch.Tensor  # [R + 1] int32; the step's token count past its real rows
+    seq_lens: torch.Tensor  # [R] int32; 0 on padded rows
+    block_tables: torch.Tensor  # [R, max_blocks_per_seq] int32; rows contiguous
+    max_seq_len: int  # the longest context any replay may carry
+
+
 class AttentionBackend(abc.ABC):
     """Computes attention for one layer of a mixed batch against the paged cache.
 
@@ -72,6 +89,8 @@ class AttentionBackend(abc.ABC):
     # Whether decode steps can be captured in a CUDA graph: `forward` reads only the buffers
     # of `graph_metadata` (fixed addresses, fixed shapes per batch size) and never syncs.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether mixed steps can be captured too (`mixed_graph_metadata`).
+    supports_mixed_graphs: ClassVar[bool] = False
 
     def reserve(self, limits: AttentionLimits) -> None:
         """Called once before the first step: allocate what every step reuses. Default: nothing.
@@ -103,3 +122,8 @@ class AttentionBackend(abc.ABC):
     def prepare_replay(self, buffers: DecodeBuffers, seq_lens_host: list[int]) -> None:
         """Called after the runner has queued the copy of a step into `buffers` and before the
         replay (`seq_lens_host`: the real rows' context lengths). Must not sync. Default: nothing."""
+
+    def mixed_graph_metadata(self, buffers: MixedBuffers) -> Any:
+        """Metadata for a mixed step over `buffers` (one token bucket), for capture and every
+        replay of it: device tensors and shape-fixed host values only."""
+        raise NotImplementedError(f"attention backend '{self.name}' does not support mixed-step graphs")

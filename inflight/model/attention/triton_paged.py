@@ -7,7 +7,9 @@ Per layer and step:
   each K/V load, split over P partitions of the context (flash-decoding) when there are too
   few rows to fill the GPU;
 - any other step (prefill, chunked prefill after cached blocks, decode rows mixed with
-  prefills) runs `paged_prefill_attention` over every row; decode rows are right there too.
+  prefills) runs `paged_prefill_attention` over every row; decode rows are right there too;
+- a captured mixed step runs `paged_mixed_attention`: the same tiles over a grid fixed by
+  the bucket's token and row capacity, each program finding its row on the device.
 
 P is chosen per step on the host from the step's rows and longest context
 (`choose_num_partitions`), or per captured bucket from the batch size and the engine's
@@ -27,7 +29,8 @@ import torch
 
 from inflight import kernels
 from inflight.kernels.paged_attention import DecodeWorkspace, choose_num_partitions
-from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers
+from inflight.model.attention.base import (AttentionBackend, AttentionLimits, DecodeBuffers,
+                                           MixedBuffers)
 from inflight.model.attention.metadata import StepMetadata
 
 # SM count assumed where there is no GPU (the interpreter on a CPU): only sizes split-K.
@@ -45,6 +48,8 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor | None
     max_query_len: int
     num_partitions: int  # decode split-K partitions (1: one launch, no reduce)
+    fixed_grid: bool = False  # a captured mixed step: grid from the shapes alone
+
 
     @property
     def is_decode(self) -> bool:
@@ -57,6 +62,7 @@ class TritonPagedAttention(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_mixed_graphs = True
 
     def __init__(self) -> None:
         self.limits: AttentionLimits | None = None
@@ -98,9 +104,17 @@ class TritonPagedAttention(AttentionBackend):
                                        None, 1, self._num_partitions(buffers.batch_size,
                                                                      buffers.max_seq_len))
 
+    def mixed_graph_metadata(self, buffers: MixedBuffers) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(buffers.slot_mapping, buffers.seq_lens, buffers.block_tables,
+                                       buffers.query_start_loc, buffers.slot_mapping.shape[0], 1,
+                                       fixed_grid=True)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         kernels.store_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.fixed_grid:
+            return kernels.paged_mixed_attention(q, kv_cache, metadata.block_tables,
+                                                 metadata.query_start_loc, metadata.seq_lens, scale)
         if not metadata.is_decode:
             return kernels.paged_prefill_attention(
                 q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,

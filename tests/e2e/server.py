@@ -31,9 +31,9 @@ from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BL
 # no request is in flight, so Triton unloads every model at once and looks once a second for
 # live ones; each python model's finalize wakes its threads (their periods are 0.1 s at most),
 # stops its engine process and leaves without an interpreter teardown (ensemble.lifeline), and
-# Triton then reaps each stub. Measured on the 2-core machine: 1.4-3.8 s with guided decoding
-# off and 5.8 s with it on, at load averages of 11-15 (six times more runnable work than
-# cores). A stuck model, the fault this guards against, never unloads: it always costs the
+# Triton then reaps each stub. Measured on the 2-core machine at load averages of 9-15 (five
+# to seven times more runnable work than cores): 2.5-4.7 s with guided decoding off, 3.9-5.8 s
+# with it on. A stuck model, the fault this guards against, never unloads: it always costs the
 # whole timeout, however long. So the bound only has to clear the slowest clean exit on a
 # loaded 2-core machine, and 10 s does (a third of Triton's default 30 s, which a stall used
 # to cost every time).

@@ -75,8 +75,9 @@ if [[ $what == all ]]; then
   stage "bench --quick" 235 bench.log $PY tools/bench_gpu.py --quick --out "$OUT"
 fi
 if [[ $what == tp ]]; then
-  stage "tp: greedy tp=2 == tp=1" 240 tp_check.log $PY tools/gpu_tp.py --check --out "$OUT/tp_check"
-  stage "tp: 8B tp=1 vs tp=2" 330 tp_bench.log $PY tools/gpu_tp.py --bench --out "$OUT"
+  # --watchdog-s: below the limit, so a hang leaves every rank's Python stacks in the log
+  stage "tp: greedy tp=2 == tp=1" 240 tp_check.log $PY tools/gpu_tp.py --check --watchdog-s 215 --out "$OUT/tp_check"
+  stage "tp: 8B tp=1 vs tp=2" 330 tp_bench.log $PY tools/gpu_tp.py --bench --watchdog-s 305 --out "$OUT"
 fi
 if [[ $what == jit || $what == tune ]]; then
   stage "jit compiles after start-up" 280 jit.log $PY tools/bench_gpu_checks.py jit --out "$OUT"
@@ -101,7 +102,7 @@ fi
     grep -E '^(PARITY|BF16|SYNC|RESULT|    flagged)' "$OUT/parity.log"
   fi
   for log in tp_check.log tp_bench.log; do
-    [[ -f $OUT/$log ]] && { echo "--- $log ---"; grep -vE '^\[tp rank' "$OUT/$log" | grep -E '^(  tp=|CHECK|  "batch|   "batch|.*NOT RUN|.*refused)' ; }
+    [[ -f $OUT/$log ]] && { echo "--- $log ---"; grep -vE '^\[tp rank' "$OUT/$log" | grep -E '^(  tp=|CHECK|WATCHDOG|  "batch|   "batch|.*NOT RUN|.*refused)' ; }
   done
   if [[ -f $OUT/jit.log ]]; then
     echo "--- jit.log ---"

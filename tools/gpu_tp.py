@@ -5,6 +5,7 @@
     python3 tools/gpu_tp.py --check    # the greedy check alone (~1-2 min)
     bash tools/gpu_check.sh tp         # the same, with its log and summary under $OUT
     python3 tools/gpu_tp.py --cpu-dry-run   # every code path on the CPU (gloo, tiny shapes)
+    kill -USR1 <pid of any rank>            # its Python stacks into the log, it carries on
 
 Check: a small random Llama (vocabulary 32001, so the last vocabulary shard is padded; weights
 N(0, 0.1) so greedy choices are not float ties) is written to a safetensors folder in fp32.
@@ -18,16 +19,26 @@ Bench: random weights in the Llama-3.1-8B shape (bf16, written to disk once; eac
 only its shards), tp=1 then tp=N on the same machine: batch 1 (128 prompt / 128 output
 tokens) decode step latency and batch 64 throughput; the ratios are printed last. Results
 go to $OUT/gpu_tp.json (default /tmp/gpu_tp).
+
+Diagnosable whatever happens: rank 0 logs its start-up lines as `[tp rank 0]` (the other ranks
+as `[tp rank N]`), each phase is logged as it ends (engine built, tokens generated, ranks
+stopped in N s), NCCL_DEBUG=WARN, collectives time out after 150 s (INFLIGHT_TP_TIMEOUT_S), and
+`--watchdog-s N` dumps every rank's Python stacks into the log after N s, then exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
+import logging
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +63,44 @@ BENCH_SHAPE = "llama-3.1-8b"
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def diagnosable() -> None:
+    """Whatever happens, the log shows where each rank stands: rank 0's start-up lines like the
+    other ranks' (its `inflight` loggers had no handler, so only warnings reached the log),
+    NCCL's warnings, collectives that fail after INFLIGHT_TP_TIMEOUT_S (150 s here, not 30 min:
+    NCCL's watchdog then names the stuck collective) and Python stacks on SIGUSR1."""
+    os.environ.setdefault("NCCL_DEBUG", "WARN")  # before NCCL starts; spawned ranks inherit it
+    os.environ.setdefault("INFLIGHT_TP_TIMEOUT_S", "150")
+    logging.basicConfig(level=logging.WARNING, format="[tp rank 0] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("inflight").setLevel(logging.INFO)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def start_watchdog(seconds: float) -> None:
+    """After `seconds`: every rank's Python stacks into the log (SIGUSR1 to the spawned ranks,
+    which print theirs; this process's own), then the ranks and this process are ended
+    (exit 3), before the caller's time limit kills them without a word."""
+    def fire():
+        time.sleep(seconds)
+        ranks = multiprocessing.active_children()
+        log(f"\nWATCHDOG: still running after {seconds:.0f} s; Python stacks of rank 0 and of "
+            f"{len(ranks)} spawned rank process(es) {[p.pid for p in ranks]} follow")
+        for p in ranks:  # one at a time: their dumps share this log
+            log(f"WATCHDOG: stacks of {p.name} (pid {p.pid}):")
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            time.sleep(3)
+        log("WATCHDOG: stacks of rank 0 (this process):")
+        faulthandler.dump_traceback(all_threads=True)
+        for p in ranks:
+            p.kill()
+        log("WATCHDOG: killed the ranks; exiting with code 3")
+        os._exit(3)
+    threading.Thread(target=fire, name="gpu-tp-watchdog", daemon=True).start()
 
 
 def write_checkpoint(spec: dict, dtype: torch.dtype, std: float, folder: Path, seed: int = 0) -> Path:
@@ -121,6 +170,14 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def close(eng: LLMEngine, tp_size: int) -> None:
+    """Stops the other ranks (timed: the first 2-GPU run hung here)."""
+    start = time.perf_counter()
+    eng.close()
+    if tp_size > 1:
+        log(f"  tp={tp_size}: ranks stopped in {time.perf_counter() - start:.1f} s")
+
+
 def check(num_gpus: int, tp: int, out: dict) -> bool:
     log(f"\n== check: greedy tokens, tp=1 vs tp={tp} (fp32, random Llama, vocab {CHECK_SHAPE['vocab_size']})")
     folder = write_checkpoint(CHECK_SHAPE, torch.float32, 0.1, Path(tempfile.mkdtemp(prefix="tp-check-")))
@@ -130,14 +187,15 @@ def check(num_gpus: int, tp: int, out: dict) -> bool:
     def generate(tp_size: int, graphs: bool | None) -> list[list[int]]:
         start = time.perf_counter()
         eng = engine(folder, tp_size, "float32", 8, 512, graphs)
+        log(f"  tp={tp_size} cuda_graph_mode={graphs}: engine built in {time.perf_counter() - start:.1f} s")
         try:
             run = run_engine(eng, prompts, [32] * len(prompts), deadline, keep_outputs=True)
+            log(f"  tp={tp_size} cuda_graph_mode={graphs}: {run.output_tokens} tokens, "
+                f"{time.perf_counter() - start:.1f} s with start-up")
         finally:
-            eng.close()  # stops the other ranks
+            close(eng, tp_size)
             del eng
             free_memory()
-        log(f"  tp={tp_size} cuda_graph_mode={graphs}: {run.output_tokens} tokens, "
-            f"{time.perf_counter() - start:.1f} s with start-up")
         return run.outputs
 
     want = generate(1, None)
@@ -173,20 +231,21 @@ def bench(num_gpus: int, tp: int, out: dict) -> None:
         start = time.perf_counter()
         eng = engine(folder, tp_size, "bfloat16", 64, 1024)
         row = {"startup_s": round(time.perf_counter() - start, 1), "kv_blocks": eng.worker.num_blocks}
+        log(f"  tp={tp_size}: engine built in {row['startup_s']} s")
         try:
             deadline = time.perf_counter() + 90
             run_engine(eng, random_prompts(2, 32, vocab, seed=1), [8, 8], deadline)  # warm
             b1 = run_engine(eng, random_prompts(1, 128, vocab, seed=2), [128], deadline)
             b64 = run_engine(eng, random_prompts(64, 128, vocab, seed=4), [128] * 64, deadline)
+            row["timed_out"] = b1.timed_out or b64.timed_out
+            row.update(batch1_step_ms=round(b1.decode_step_ms, 3), batch1_tok_s=round(b1.decode_tok_s, 1),
+                       batch64_step_ms=round(b64.decode_step_ms, 3), batch64_tok_s=round(b64.decode_tok_s, 1))
+            results[f"tp{tp_size}"] = row
+            log(f"  tp={tp_size}: {json.dumps(row)}")
         finally:
-            eng.close()
+            close(eng, tp_size)
             del eng  # before the next engine sizes its KV cache from the free memory
             free_memory()
-        row["timed_out"] = b1.timed_out or b64.timed_out
-        row.update(batch1_step_ms=round(b1.decode_step_ms, 3), batch1_tok_s=round(b1.decode_tok_s, 1),
-                   batch64_step_ms=round(b64.decode_step_ms, 3), batch64_tok_s=round(b64.decode_tok_s, 1))
-        results[f"tp{tp_size}"] = row
-        log(f"  tp={tp_size}: {json.dumps(row)}")
     if f"tp{tp}" in results and tp > 1:
         one, many = results["tp1"], results[f"tp{tp}"]
         results["ratios"] = {
@@ -206,7 +265,13 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp"))
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="tiny shapes on the CPU with gloo ranks: the script's code paths, no numbers")
+    parser.add_argument("--watchdog-s", type=float, default=0,
+                        help="after this long, dump every rank's Python stacks and exit 3 (0: never); "
+                             "set it below the caller's time limit")
     args = parser.parse_args()
+    diagnosable()
+    if args.watchdog_s > 0:
+        start_watchdog(args.watchdog_s)
     if args.cpu_dry_run:
         global DEVICE, BENCH_SHAPE
         DEVICE, BENCH_SHAPE = "cpu", "tiny"

@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 # How long a collective may wait for a peer before it fails (start-up included: a rank
 # loading a 70B shard from a network disk takes minutes). INFLIGHT_TP_TIMEOUT_S overrides.
 DEFAULT_TIMEOUT_S = 1800
+# How long the collective teardown (`TensorParallel.close`) waits for a peer, then each step of it.
+CLOSE_TIMEOUT_S = 30
 
 # Step messages: a header [kind, payload length] then the payload.
 MSG_STEP = 1
@@ -133,6 +136,43 @@ class TensorParallel:
             dist.broadcast(payload, src=0, group=self.cpu_group)
         return kind, payload
 
-    def close(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Collective teardown: every rank calls it at about the same time (rank 0 right after
+        its stop message, the others on receiving it), never after waiting for a peer to exit.
+
+        NCCL's communicator teardown waits for every rank's (a rank 0 that first waited for
+        rank 1 to exit, while rank 1 waited in its teardown for rank 0's, deadlocked: the first
+        2-GPU run). gloo's is local, so a barrier on the control group comes first and makes
+        that pairing explicit on every backend (a CPU run shows an ordering bug too); it is
+        bounded, so a peer that never arrives fails it instead of hanging it. True when the
+        teardown completed; False leaves the groups to `destroy` once the peers are ended.
+        """
+        if self.size == 1 or not dist.is_initialized():
+            return True
+        try:
+            dist.monitored_barrier(group=self.cpu_group, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as exc:
+            logger.error("tensor-parallel rank %d: a peer did not come to the teardown in %.0f s: %s",
+                         self.rank, timeout_s, exc)
+            return False
+        return self.destroy(timeout_s)
+
+    def destroy(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Destroys this process's groups, waiting at most `timeout_s` (NCCL's teardown waits
+        for its peers': after `close`'s barrier they are in theirs; after they were killed it
+        may not return). True when it did; otherwise it is left to the process exit."""
+        if self.size == 1 or not dist.is_initialized():
+            return True
+        done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
+        try:
+            done.start()
+        except RuntimeError:  # at interpreter exit (atexit) Python 3.12 starts no new thread
             dist.destroy_process_group()
+            return True
+        done.join(timeout_s)
+        if done.is_alive():
+            logger.error("tensor-parallel rank %d: destroying the process groups did not finish in "
+                         "%.0f s; left to the process exit", self.rank, timeout_s)
+            return False
+        return True

@@ -6,16 +6,21 @@ torch.multiprocessing (spawn: no CUDA state is inherited), and every rank meets 
 rendezvous on a free loopback port. Each other rank builds its own `Worker` (its shard of the
 weights, its KV heads, its CUDA graphs) and then loops in `follow`: receive rank 0's step
 message (`StepPlan`, int64), run the same model step, join the collectives. Rank 0 stops them
-with a stop message (`Ranks.stop`), at shutdown or when the interpreter exits.
+with a stop message (`Ranks.stop`), at shutdown or when the interpreter exits; then every rank
+tears the group down at once (`TensorParallel.close`: collective with NCCL), and only then does
+rank 0 wait for their processes.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -85,23 +90,35 @@ class Ranks:
             p.join()
 
     def stop(self) -> None:
-        """Tells the other ranks to exit and waits for them (idempotent)."""
+        """Tells the other ranks to exit, tears the group down together with them, then waits
+        for their processes (idempotent). The teardown is collective (`TensorParallel.close`):
+        it must come before the wait for their exit, never after it."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-        try:
-            if all(p.is_alive() for p in self.processes):
+        start = time.monotonic()
+        told = False
+        if all(p.is_alive() for p in self.processes):
+            try:
                 self.tp.send_message(MSG_STOP)
-        except Exception:  # a rank is gone: the group is broken; the processes are ended below
-            logger.exception("could not send the stop message to the tensor-parallel ranks")
+                told = True
+            except Exception:  # a rank is gone: the group is broken; the processes are ended below
+                logger.exception("could not send the stop message to the tensor-parallel ranks")
+        else:
+            logger.error("a tensor-parallel rank has exited already: ending the others")
+        # Paired with each rank's own close, right after its stop message.
+        closed = told and self.tp.close()
         for p in self.processes:
-            p.join(_STOP_TIMEOUT_S)
+            p.join(_STOP_TIMEOUT_S if told else 0)
             if p.is_alive():
                 logger.error("tensor-parallel rank (pid %d) did not stop; killing it", p.pid)
                 p.kill()
                 p.join()
-        self.tp.close()
+        if not closed:  # the peers are gone: this process's side alone (a later engine may start)
+            self.tp.destroy()
+        logger.info("tensor-parallel ranks stopped in %.1f s (exit codes %s)", time.monotonic() - start,
+                    [p.exitcode for p in self.processes])
 
 
 def start_ranks(model_dir: str, config: ExecutorConfig) -> tuple[TensorParallel, Ranks]:
@@ -144,6 +161,10 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config: Executor
     from inflight.worker import Worker  # after the spawn: the parent's modules are not ours
 
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    # A hang must be diagnosable: a fatal signal (an NCCL abort) prints this rank's Python
+    # stack, and so does SIGUSR1 (a watchdog's request, e.g. tools/gpu_tp.py's), without stopping it.
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -156,7 +177,9 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config: Executor
         # Exit now, without a graceful teardown (which would wait for peers): the closed sockets
         # make rank 0's next message or collective fail at once instead of waiting it out.
         os._exit(1)
-    tp.close()
+    logger.info("tensor-parallel rank %d: stop message received; tearing down", rank)
+    if not tp.close():  # collective: rank 0 closes right after its stop message
+        os._exit(1)
 
 
 def follow(worker) -> None:

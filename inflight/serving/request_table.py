@@ -4,7 +4,8 @@
 sender. The table gives every batch row a stub id, submits the rows to the engine
 (`inflight.serving.engine_client`) and sends what comes back through a `Sink` (the adapter's
 `pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`),
-one cancellation poller (`poll_cancelled`) and the adapter's housekeeping (`tick`).
+one cancellation poller (`poll_cancelled`: client cancels and `timeout`s, see
+`inflight.serving.deadlines`) and the adapter's housekeeping (`tick`).
 
 Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
 of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
@@ -29,7 +30,7 @@ from typing import Protocol
 
 from ensemble import control
 from inflight.executor.types import FinishReason, Response, Result
-from inflight.serving import convert, drain, wire
+from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
@@ -105,6 +106,7 @@ class RequestTable:
         self.by_key: dict[int, Pending] = {}
         self.stub_ids = itertools.count(1)
         self.delivery = DeliveryTracker()
+        self.deadlines = deadlines.Deadlines()
         self.drain = drain.Drain()
         self.dead_message: str | None = None
         self.latest_stats = None
@@ -112,9 +114,10 @@ class RequestTable:
 
     # ----- requests in ---------------------------------------------------------------------
 
-    def add(self, sender, user_id: str, requests: list, options: convert.RequestOptions) -> None:
+    def add(self, sender, user_id: str, requests: list, options: convert.RequestOptions,
+            timeout_s: float = 0.0) -> None:
         """Register one Triton request (its rows) and submit it; the answer comes through the
-        sink, an engine rejection included."""
+        sink, an engine rejection included. `timeout_s` > 0: cancel it once that has passed."""
         with self.lock:
             pending = Pending(sender, user_id, control.new_request_key(self.by_key),
                               num_open_rows=len(requests))
@@ -127,6 +130,7 @@ class RequestTable:
             self.by_user_id.setdefault(user_id, set()).add(pending)
             self.by_key[pending.key] = pending
             self.delivery.open(pending.key)
+            self.deadlines.add(pending.key, time.monotonic(), timeout_s)
             try:
                 self.engine.submit(rows)  # under the lock: a stop right after finds the rows
             except Exception:
@@ -175,7 +179,12 @@ class RequestTable:
 
     def poll_cancelled(self) -> None:
         """Cancel the requests whose client cancelled (direct calls; see delivery for the
-        ensemble's)."""
+        ensemble's) or whose `timeout` has passed. One Triton call per request in flight."""
+        with self.lock:
+            overdue = [(self.by_key[k], t) for k, t in self.deadlines.overdue(time.monotonic())
+                       if k in self.by_key]
+        for pending, timeout_s in overdue:
+            self._fail([pending], deadlines.timeout_message(timeout_s), deadlines.TIMEOUT_CODE)
         with self.lock:
             live = set(self.by_stub_id.values())
         for pending in live:
@@ -276,6 +285,7 @@ class RequestTable:
         """Drop a request from the indexes; the caller holds `lock`."""
         self.by_key.pop(pending.key, None)
         self.delivery.forget(pending.key)
+        self.deadlines.forget(pending.key)
         peers = self.by_user_id.get(pending.user_id)
         if peers is not None:
             peers.discard(pending)
@@ -297,6 +307,10 @@ class RequestTable:
         """End every request in flight with a final error, and cancel it in the engine."""
         with self.lock:
             victims = list(self.by_key.values())
+        self._fail(victims, message, code)
+
+    def _fail(self, victims: list[Pending], message: str, code: str) -> None:
+        with self.lock:
             open_ids = [i for p in victims for i in p.rows if self.by_stub_id.pop(i, None) is not None]
             for pending in victims:
                 self._forget(pending)

@@ -1,4 +1,5 @@
-"""Many streams cancelled at random points, by gRPC stream cancellation and by `stop` requests."""
+"""Many streams cancelled at random points, by gRPC stream cancellation and by `stop` requests;
+non-streamed requests ended by their client leaving or by their `timeout`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.server import collect
+from tests.e2e.server import build_repository, collect, make_inputs
 
 pytestmark = pytest.mark.e2e
 
@@ -89,3 +90,88 @@ def test_random_cancellations_leave_the_engine_idle(server):
     threads_after = _stub_thread_counts()
     for pid, count in threads_before.items():
         assert threads_after.get(pid, count) <= count, (threads_before, threads_after)
+
+
+# ----- non-streamed requests ------------------------------------------------------------------
+
+USED = ("nv_trt_llm_kv_cache_block_metrics", "used")
+ITERATIONS = ("nv_trt_llm_general_metrics", "iteration_counter")
+LONG = 400  # tokens; min_tokens too, so no early end: ~10 s here, far beyond any bound below
+METRICS_POLL_S = 0.05
+
+
+def _period_s(name: str) -> float:
+    return int(build_repository.DEFAULTS[name]) / 1000
+
+
+def _generating(server, timeout_s: float = 60) -> float:
+    """Wait until the engine holds KV blocks; return its time per step, measured now (the bound
+    below scales with it, so a slower machine gets a proportionally longer one)."""
+    deadline = time.monotonic() + timeout_s
+    while server.metrics()[USED] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(METRICS_POLL_S)
+    start_s, start = time.monotonic(), server.metrics()[ITERATIONS]
+    while (done := server.metrics()[ITERATIONS] - start) < 3 and time.monotonic() - start_s < 1:
+        time.sleep(METRICS_POLL_S)
+    return (time.monotonic() - start_s) / max(done, 1)
+
+
+def _freed_within(server, bound_s: float) -> float:
+    start_s = time.monotonic()
+    while True:
+        m = server.metrics()
+        if m[USED] == 0 and m[("nv_trt_llm_request_metrics", "active")] == 0:
+            return time.monotonic() - start_s
+        assert time.monotonic() - start_s < bound_s, f"KV blocks still in use after {bound_s:.2f} s: {m}"
+        time.sleep(METRICS_POLL_S)
+
+
+def _bound_s(step_s: float) -> float:
+    """From the moment the request must end to its blocks showing free: the poller's period, the
+    step running when the cancel arrives and the one that frees the blocks, the engine's and
+    the stub's stats periods, and our metrics poll."""
+    return (_period_s("cancellation_check_period_ms") + 2 * step_s
+            + 2 * _period_s("stats_check_period_ms") + METRICS_POLL_S)
+
+
+def test_a_non_streamed_request_whose_client_leaves_frees_its_kv_blocks(server):
+    """Direct to `tensorrt_llm` (the path where Triton 2.51 tells the model about the client
+    leaving; through the ensemble it does not, see the next test)."""
+    server.wait_idle()
+    ids = np.arange(1, 9, dtype=np.int32).reshape(1, -1)
+    client, results = server.open_stream()
+    server.send(client, {"input_ids": ids, "input_lengths": np.array([[8]], np.int32),
+                         "request_output_len": np.array([[LONG]], np.int32),
+                         "min_tokens": np.array([[LONG]], np.int32)}, model="tensorrt_llm")
+    step_s = _generating(server)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    _freed_within(server, _bound_s(step_s))
+    while not results.empty():  # only tritonclient's own "cancelled" error: no answer came
+        result, error = results.get()
+        assert result is None and error is not None
+
+
+def test_a_non_streamed_ensemble_request_ends_at_its_timeout(server):
+    """The ensemble hides the client leaving from the engine model; Triton's `timeout` bounds it.
+    Its clock starts when `tensorrt_llm` takes the request, after the tokenizer step."""
+    server.wait_idle()
+    timeout_s = 3.0
+    iterations_before = server.metrics()[ITERATIONS]
+    client, results = server.open_stream()
+    sent_s = time.monotonic()
+    client.async_stream_infer("ensemble", make_inputs({"text_input": "Tell me a story.", "max_tokens": LONG,
+                                                       "min_tokens": LONG, "stream": False}),
+                              timeout=int(timeout_s * 1e6), enable_empty_final_response=True)
+    try:
+        result = collect(results, timeout_s=60)
+        ended_s = time.monotonic()
+        iterations = server.metrics()[ITERATIONS]
+        step_s = (ended_s - sent_s) / max(iterations - iterations_before, 1)  # an upper bound
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert result.error is not None and "timeout" in result.error and result.texts == []
+    assert ended_s - sent_s >= timeout_s
+    _freed_within(server, _bound_s(step_s))

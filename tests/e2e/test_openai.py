@@ -51,8 +51,9 @@ def frontend(server):
     handle = Frontend(server.grpc_url).wait("/health/ready")
     yield handle
     handle.stop()
-    # uvicorn stops gracefully on SIGINT, then re-raises it to exit as the signal asks.
-    assert handle.process.returncode in (0, -signal.SIGINT)
+    # serve.stop sends SIGTERM; uvicorn stops gracefully, then re-raises the signal to exit as
+    # it asks (a SIGKILL after the grace period would read -9).
+    assert handle.process.returncode in (0, -signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +261,7 @@ def _assert_freed_at_once(server, timeout_s: float = 5):
 def test_a_client_leaving_mid_stream_frees_the_kv_blocks_at_once(server, frontend):
     body = {"model": "ensemble",
             "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-            "max_tokens": 400, "stream": True}
+            "max_tokens": 400, "stream": True, "ignore_eos": True}  # see the next test
     with httpx.stream("POST", frontend.url + "/v1/chat/completions", json=body, timeout=60) as reply:
         lines = reply.iter_lines()
         [next(lines) for _ in range(6)]  # three events and their blank lines
@@ -268,11 +269,11 @@ def test_a_client_leaving_mid_stream_frees_the_kv_blocks_at_once(server, fronten
     _assert_freed_at_once(server)
 
 
-@pytest.mark.xfail(strict=False, reason="seen once in 3 full runs (2026-11-23): the request never "
-                   "showed KV blocks in use within 60 s; not diagnosed yet")
 def test_a_client_leaving_a_non_streamed_request_frees_the_kv_blocks_at_once(server, frontend):
+    # ignore_eos: sampled at temperature 1, this prompt sometimes ends at its first token, before
+    # any stats period could show its blocks (the flake this test once had).
     payload = json.dumps({"model": "ensemble", "prompt": "Write a very long story about a dragon.",
-                          "max_tokens": 400}).encode()
+                          "max_tokens": 400, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", frontend.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))

@@ -9,23 +9,29 @@ by `tolerances.fp32_noise_bound`.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
 import torch
-import transformers
 
-from ensemble.errors import ConfigError
-from inflight.distributed.launch import check_devices
-from inflight.engine import LLMEngine
-from inflight.fatal_errors import EngineFatalError
-from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig
-from inflight.model.config import ModelConfig
-from inflight.model.sharding import Shard, check_divisible, shard_for
-from inflight.step_plan import StepPlan
-from tests.model.checkpoints import TINY_COMMON
-from tests.model.engine_utils import assert_kv_idle, final, gen_request, output_tokens, run
-from tests.model.tolerances import fp32_noise_bound
+if not torch.cuda.is_available():  # the CUDA-path test runs the Triton backend interpreted;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (transformers does)
+
+import transformers  # noqa: E402
+
+from ensemble.errors import ConfigError  # noqa: E402
+from inflight.distributed.launch import check_devices  # noqa: E402
+from inflight.engine import LLMEngine  # noqa: E402
+from inflight.fatal_errors import EngineFatalError  # noqa: E402
+from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig  # noqa: E402
+from inflight.model.config import ModelConfig  # noqa: E402
+from inflight.model.sharding import Shard, check_divisible, shard_for  # noqa: E402
+from inflight.step_plan import StepPlan  # noqa: E402
+from tests.model.checkpoints import TINY_COMMON  # noqa: E402
+from tests.model.engine_utils import assert_kv_idle, final, gen_request, output_tokens, run  # noqa: E402
+from tests.model.tolerances import fp32_noise_bound  # noqa: E402
 
 KV = KvCacheConfig(max_tokens=2048, tokens_per_block=8)
 PROMPTS = [[5, 17, 42, 99, 7, 310], [1, 2, 3], list(range(20, 61)), [450, 8]]
@@ -33,9 +39,9 @@ MAX_TOKENS = [12, 9, 14, 6]
 
 
 def _engine(path, tp: int, **config) -> LLMEngine:
-    return LLMEngine.from_dir(path, ExecutorConfig(
-        dtype="float32", device="cpu", kv_cache_config=KV, max_batch_size=8, max_num_tokens=64,
-        enable_chunked_context=True, parallel_config=ParallelConfig(tp), **config))
+    config = {**dict(dtype="float32", device="cpu", kv_cache_config=KV, max_batch_size=8, max_num_tokens=64,
+                     enable_chunked_context=True), **config}
+    return LLMEngine.from_dir(path, ExecutorConfig(parallel_config=ParallelConfig(tp), **config))
 
 
 def _generate(engine: LLMEngine):
@@ -62,8 +68,17 @@ def _tiny_llama(path) -> None:
     model.save_pretrained(path)
 
 
-def test_tp2_matches_tp1(tmp_path):
-    _tiny_llama(tmp_path)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-llama")
+    _tiny_llama(path)
+    return path
+
+
+@pytest.mark.timeout(240)
+def test_tp2_matches_tp1(checkpoint, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_TP_TIMEOUT_S", "60")  # a collective that never pairs up fails
+    tmp_path = checkpoint
     config = ModelConfig.from_dir(tmp_path)
     want_tokens, want_lp = _generate(_engine(tmp_path, 1))
     engine = _engine(tmp_path, 2)
@@ -100,6 +115,62 @@ def test_tp2_matches_tp1(tmp_path):
     finally:
         engine.close()
     assert not any(p.is_alive() for p in engine.worker.ranks.processes)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tools/gpu_tp.py runs these paths on GPUs")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_tp2_with_the_cuda_start_up_and_step_paths(checkpoint, monkeypatch, tmp_path):
+    """The protocol of a CUDA run, on gloo: every rank runs the warm-up, the graph runner's
+    buckets, precompile, overlapped steps (sampled ids broadcast) and decode steps from the
+    runner's static buffers (`tests.model.tp_cuda_like`). Every collective pairs up across the
+    ranks (same order, sizes, dtypes), greedy tokens equal tp=1's, and the stop is clean: the
+    teardown is collective (as NCCL's is), so a rank 0 that waited for rank 1's exit before
+    its own teardown (the first 2-GPU run's hang) deadlocks here too and rank 1 is killed.
+    Small batch and lengths: the attention kernels run under Triton's interpreter."""
+    from tests.model import tp_cuda_like
+    from inflight.distributed import launch
+    path = checkpoint
+    prompts, max_tokens = [[5, 17, 42, 99, 7, 310], [1, 2, 3], [450, 8]], [5, 4, 6]
+    config = dict(max_batch_size=4, max_num_tokens=16, max_seq_len=32)
+
+    def requests():  # + a row whose logits hook fails on rank 0 (sampling is rank 0's alone):
+        # it makes the steps synchronous while it lives; the sampled ids are still broadcast
+        return [gen_request(p, n) for p, n in zip(prompts, max_tokens)] + [
+            gen_request([9, 10, 11], 3, logits_processor=_failing_hook)]
+
+    want = run(_engine(path, 1, **config), requests())
+    monkeypatch.setenv("INFLIGHT_TP_TIMEOUT_S", "60")
+    monkeypatch.setenv(tp_cuda_like.TRACE_ENV, str(tmp_path))
+    tp_cuda_like.apply(monkeypatch.setattr)
+    monkeypatch.setattr(launch, "_rank_main", tp_cuda_like.rank_main)
+    monkeypatch.setattr(tp_cuda_like, "TRACE", [])
+    engine = _engine(path, 2, enable_overlap_scheduler=True, **config)
+    try:
+        worker = engine.worker
+        assert worker.overlap and worker.graph_runner is not None and worker.backend.name == "triton"
+        assert worker.graph_runner.mixed is not None  # mixed steps from static buffers too
+        got = run(engine, requests())
+    finally:
+        start = time.monotonic()
+        engine.close()
+        stop_s = time.monotonic() - start
+    assert [output_tokens(r) for r in got[:3]] == [output_tokens(r) for r in want[:3]]
+    assert "boom" in final(got[3]).error_msg
+    rank1 = engine.worker.ranks.processes[0]
+    assert rank1.exitcode == 0, f"rank 1 did not stop cleanly (exit code {rank1.exitcode})"
+    assert stop_s < launch._STOP_TIMEOUT_S, f"stopping the ranks took {stop_s:.1f} s"
+    rank0_trace = tp_cuda_like.TRACE
+    rank1_trace = json.loads((tmp_path / "rank1.json").read_text())
+    kinds = {entry[0] for entry in rank0_trace}
+    assert {"all_reduce", "all_gather", "broadcast", "min", "message", "close"} <= kinds
+    for i, (mine, theirs) in enumerate(zip(rank0_trace, rank1_trace)):
+        assert mine == theirs, f"collective {i}: rank 0 {mine}, rank 1 {theirs}"
+    assert len(rank0_trace) == len(rank1_trace)
+
+
+def _failing_hook(request_id, token_ids, logits):
+    raise ValueError("boom")
 
 
 def test_sharding_rules():

@@ -7,7 +7,8 @@ stub's interpreter lock; false: in a thread here, as the tensorrtllm backend alw
 
 `execute` converts and hands each request to `inflight.serving.request_table`, then returns.
 Threads: a responder sends the engine's responses, a poller cancels requests whose client
-cancelled (every `cancellation_check_period_ms`), and a housekeeper publishes the metrics,
+cancelled or whose `timeout` parameter has passed (every `cancellation_check_period_ms`; see
+`inflight.serving.deadlines`), and a housekeeper publishes the metrics,
 drives a shutdown drain and unloads the model once its engine has died.
 
 A request with `stop: true` cancels the in-flight requests that carry the same request id, as in
@@ -137,7 +138,8 @@ class TritonPythonModel:
                     continue
                 rows, options = convert.request_rows(inputs, self.decoupled, self.default_exclude_input,
                                                      self.limits, self.features)
-                self.table.add(sender, request.request_id(), rows, options)
+                self.table.add(sender, request.request_id(), rows, options,
+                               timeout_s=request.timeout() / 1e6)  # Triton's is in microseconds
             except QueueFullError as exc:
                 Sink.send_error(sender, str(exc), "UNAVAILABLE")
             except (RequestError, InputError) as exc:

@@ -162,11 +162,16 @@ class EngineProcess:
         return ("ignored", kind)
 
     def shutdown(self) -> None:
+        """Stop the engine process (SIGKILL if it cannot take the command or does not exit)."""
         if self.process.poll() is None:
             try:
-                self._send([wire.SHUTDOWN])
+                # Never block: an engine that reported a fatal error has closed its end, and a
+                # blocking send to no peer waits for ever; that held this model's unload (and so
+                # every exit after an engine fault) until Triton's exit timeout.
+                with self.send_lock:
+                    self.commands.send(wire.pack([wire.SHUTDOWN]), zmq.NOBLOCK)
                 self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, zmq.ZMQError):
+            except (subprocess.TimeoutExpired, zmq.ZMQError):  # zmq.Again: no peer
                 self.process.send_signal(signal.SIGKILL)
                 self.process.wait()
         self.commands.close()

@@ -15,7 +15,10 @@ to the tokens it computed: an overlapped engine answers one step later, which ch
 here.
 
 It dies with its parent: PR_SET_PDEATHSIG (SIGKILL) plus a parent check whenever it is idle, so
-no orphan keeps the model (on a GPU, its memory) after the stub is gone.
+no orphan keeps the model (on a GPU, its memory) after the stub is gone. It ends at once when
+told to (SHUTDOWN) or after a fatal error: it stops its tensor-parallel ranks, closes its
+sockets (the last event delivered) and exits without tearing the interpreter down, since the
+model's unload waits for it.
 """
 
 from __future__ import annotations
@@ -193,20 +196,36 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # one clear sentence for the model's initialize
         logger.exception("the engine could not start")
         events.send(wire.pack([wire.INIT_ERROR, str(exc) or type(exc).__name__]))
-        events.close()
+        _close(context, commands, events)
         return 1
     events.send(wire.pack([wire.READY, {"pid": os.getpid()}]))
     loop = EngineLoop(engine, commands, events, spec["stats_period_s"], spec["parent_pid"])
+    code = 0
     try:
         loop.run()
     except BaseException as exc:  # the engine cannot continue: say why, then exit
         logger.exception("the engine loop died")
         events.send(wire.pack([wire.FATAL, f"the engine stopped: {type(exc).__name__}: {exc}"]))
-        events.close()
-        return 1
+        code = 1
+    try:
+        engine.close()  # its tensor-parallel ranks: the os._exit below runs no atexit handler
+    except Exception:
+        logger.exception("stopping the engine's ranks failed")
+    _close(context, commands, events)
+    return code
+
+
+def _close(context: zmq.Context, commands: zmq.Socket, events: zmq.Socket) -> None:
+    """Close both sockets; returns once the stub has taken what is queued (the last event, an
+    error say), or after the events socket's linger."""
+    commands.close(linger=0)
     events.close()
-    return 0
+    context.term()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_code = main(sys.argv)
+    logging.shutdown()
+    # No interpreter teardown (torch, the model's tensors): the stub waits for this exit while
+    # its model unloads, and the sockets are closed by now.
+    os._exit(exit_code)

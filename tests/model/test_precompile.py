@@ -27,15 +27,27 @@ from inflight.kernels.jit_stats import LaunchRecorder  # noqa: E402
 from inflight.model.attention import AttentionLimits  # noqa: E402
 from inflight.model.loader import load_model  # noqa: E402
 from inflight.precompile import precompile, step_kinds  # noqa: E402
-from tests.model.checkpoints import save_tiny_checkpoint  # noqa: E402
+from tests.model.checkpoints import LLAMA3_ROPE, TINY_COMMON  # noqa: E402
 from tests.model.engine_utils import gen_request, make_engine, run  # noqa: E402
+
+
+def _save_one_layer_llama3(path) -> None:
+    """The tiny llama3 checkpoint with one layer. Every layer launches the same kernel variants
+    (same shapes, strides and alignment), so one layer asks for every key that three would, in
+    a third of the interpreter's time."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "num_hidden_layers": 1},
+                                      rope_parameters=dict(LLAMA3_ROPE), attention_bias=True, mlp_bias=True)
+    torch.manual_seed(1234)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tools/gpu_startup_check.py on CUDA")
 def test_precompile_covers_every_variant_of_a_mixed_workload(tmp_path, monkeypatch):
     from inflight.kernels import paged_attention
     monkeypatch.setattr(paged_attention, "MIN_TOKENS_PER_PARTITION", 16)  # split-K at tiny lengths
-    save_tiny_checkpoint("llama3", tmp_path)
+    _save_one_layer_llama3(tmp_path)
     engine = make_engine(tmp_path, max_batch_size=4, max_num_tokens=16, max_seq_len=96,
                          enable_chunked_context=True,
                          kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=2))

@@ -24,7 +24,6 @@ Both control requests are signed (`ensemble.control`), so no client can send one
 import collections
 import json
 import threading
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -95,10 +94,7 @@ class TritonPythonModel:
                     pass
             except Exception as exc:  # the engine model is gone (unloading); keep decoding
                 pb_utils.Logger.log_warn(f"acknowledging chunks failed: {exc}")
-                time.sleep(1.0)
-
-    def finalize(self):
-        lifeline.skip_teardown_at_exit()
+                self.stopping.wait(1.0)  # not time.sleep: finalize must not wait for it
 
     def _should_ask(self, key, is_final, now_s):
         """Ask Triton whether this chunk's client cancelled? Each question is a round trip to
@@ -174,3 +170,6 @@ class TritonPythonModel:
         self.stopping.set()
         if self.acker is not None:
             self.acker.join(timeout=5)
+        # No interpreter teardown (ensemble.lifeline): with transformers loaded it held every
+        # unload of this model for 9-30 s on a busy machine.
+        lifeline.skip_teardown_at_exit()

@@ -228,3 +228,4 @@ class TritonPythonModel:
         self.table.close()
         self.table.engine.shutdown()
         self.metrics.close()
+        lifeline.skip_teardown_at_exit()  # as the other models: the unload ends with the stub

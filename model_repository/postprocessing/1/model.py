@@ -24,6 +24,7 @@ Both control requests are signed (`ensemble.control`), so no client can send one
 import collections
 import json
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils

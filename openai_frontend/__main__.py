@@ -26,7 +26,7 @@ from openai_frontend.triton_client import ModelInfo, TritonClient
 
 logger = logging.getLogger("openai_frontend")
 FALLBACK_CONTEXT_LENGTH = 2048
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 5  # after the drain: for the streams ended with a 503 to close
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--triton-timeout-s", type=float, default=60.0,
                         help="how long to wait for Triton at start-up to read the model's parameters")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds the answers in flight get to finish (new "
+                             "requests and readiness get 503 at once); then they end with a 503 "
+                             "error event. A second signal ends them at once (default 30)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser.parse_args(argv)
 
@@ -94,16 +98,21 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
     return client, served
 
 
-def _server(config, client: TritonClient):
+def _server(config, client: TritonClient, drain_s: float):
     import uvicorn
 
     class Server(uvicorn.Server):
-        """Ends the answers in flight with a 503 error event when asked to stop, so streams
-        close at once, cleanly, and their Triton requests are cancelled."""
+        """Drains when asked to stop: the listening socket closes and readiness turns 503 at
+        once, the answers in flight get `drain_s` to finish, then end with a 503 error event
+        (their Triton requests cancelled), so every stream closes cleanly."""
 
         async def shutdown(self, sockets=None):
-            client.stop_streams()
-            await super().shutdown(sockets)
+            client.start_draining()
+            timer = asyncio.get_running_loop().call_later(drain_s, client.stop_streams)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     return Server(config)
 
@@ -115,8 +124,8 @@ async def serve(args) -> None:
     app = create_app(client, served)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", http="httptools", lifespan="off",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = _server(config, client)
+                            timeout_graceful_shutdown=args.drain_timeout_s + GRACEFUL_SHUTDOWN_S)
+    server = _server(config, client, args.drain_timeout_s)
     logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
     watcher = asyncio.create_task(client.watch_readiness())
     try:

@@ -108,6 +108,12 @@ class TritonClient:
         await self._channel.close()
         await self.client.close()
 
+    def start_draining(self) -> None:
+        """At shutdown, first: new generations and readiness answer 503; those in flight go on
+        (until `stop_streams`)."""
+        self.is_stopping = True
+        self.mark_unready()
+
     def stop_streams(self) -> None:
         """At shutdown: cancel every generation in flight; each ends with a 503 error."""
         self.is_stopping = True
@@ -119,6 +125,8 @@ class TritonClient:
         """Raise a 503 APIError unless Triton answers and the model is ready. A success is
         trusted for READY_TTL_S unless `fresh`; `watch_readiness` keeps it fresh, so requests
         do not pay for a round trip."""
+        if self.is_stopping:
+            raise unavailable("The server is shutting down.")
         now = time.monotonic()
         if not fresh and now < self._ready_until:
             return

@@ -4,11 +4,11 @@
 
 Triton is started by `tools/launch_triton_server.py` (every flag but this tool's own goes to it
 unchanged), the frontend by `python -m openai_frontend` once Triton is ready; then both
-addresses are printed. Ctrl-C or SIGTERM stops the frontend first (so no new request arrives),
-then the launcher, which drains and stops Triton; a second signal is passed on to the launcher,
-which then ends the requests in flight at once. If either child exits, the other is stopped and
-this tool exits non-zero. Children are supervised as `tools/supervisor.py` describes: each in its
-own session, killed by the kernel if this tool dies.
+addresses are printed. Ctrl-C or SIGTERM drains both at once: each refuses new requests and
+lets those in flight finish for `--exit_timeout` seconds (default 30), then ends the rest with
+an error; a second signal is passed on, and both end their requests at once. If either child
+exits, the other is stopped and this tool exits non-zero. Children are supervised as
+`tools/supervisor.py` describes: each in its own session, killed by the kernel if this tool dies.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ sys.path.insert(0, str(TOOLS))
 import launch_triton_server  # noqa: E402
 from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
 
-# The frontend stops at once (its streams are Triton's, which the launcher drains).
-FRONTEND_STOP_TIMEOUT_S = 15
-# Beyond the launcher's own drain and stop: Python start-up, the drain request, slack.
-LAUNCHER_STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S
+# Beyond the drain: Triton's own stop, the drain request, slack.
+STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -43,6 +41,13 @@ def start(cmd: list[str]) -> subprocess.Popen:
 def frontend_command(triton_grpc: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "openai_frontend", "--triton-url", triton_grpc, "--host", host,
             "--port", str(port), *(extra or [])]
+
+
+def signal_all(*processes: subprocess.Popen | None) -> None:
+    """SIGTERM to each child still running: they drain side by side."""
+    for process in processes:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
 
 
 def wait_http_ok(process: subprocess.Popen, url: str, timeout_s: float, what: str) -> None:
@@ -67,17 +72,18 @@ def stop(process: subprocess.Popen | None, timeout_s: float) -> None:
         terminate(process, timeout_s, "the child")
 
 
-def stop_launcher(launcher: subprocess.Popen, timeout_s: float, hurry: threading.Event) -> None:
-    """SIGTERM the launcher (it drains, then stops Triton); pass a second signal on as a second
-    SIGTERM (the launcher's `hurry`); SIGKILL its session after `timeout_s`."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while launcher.poll() is None and time.monotonic() < deadline:
-            if hurry.wait(0.2):
-                launcher.send_signal(signal.SIGTERM)
-                hurry.clear()
-    terminate(launcher, 0, "tritonserver's launcher")
+def stop_all(children: list[subprocess.Popen], timeout_s: float, hurry: threading.Event) -> None:
+    """Wait for the signalled children to drain and exit, passing a second signal on to each as a
+    second SIGTERM (the launcher then ends its requests at once, uvicorn exits at once); SIGKILL
+    each one's session after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if hurry.wait(0.2):
+            hurry.clear()
+            signal_all(*children)
+    for child in children:
+        terminate(child, 0, "tritonserver's launcher" if "launch_triton_server" in str(child.args)
+                  else "the OpenAI frontend")
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -104,7 +110,9 @@ def main(argv=None) -> int:
         if not launch_triton_server.wait_ready(launcher, triton.host, triton.http_port,
                                                triton.ready_timeout, signals.stop):
             return 0
-        extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        extra = ["--drain-timeout-s", str(triton.exit_timeout)]
+        if args.served_model_name:
+            extra += ["--served-model-name", args.served_model_name]
         frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
                                           extra))
         wait_http_ok(frontend, f"http://{local}:{args.openai_port}/health/ready",
@@ -124,9 +132,11 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop(frontend, FRONTEND_STOP_TIMEOUT_S)
-        if launcher is not None:
-            stop_launcher(launcher, triton.exit_timeout + LAUNCHER_STOP_SLACK_S, signals.hurry)
+        # Both drain at once with the same grace: Triton refuses new requests, the frontend
+        # too (and stops listening), and the streams in flight through either go on.
+        children = [c for c in (frontend, launcher) if c is not None]
+        signal_all(*children)
+        stop_all(children, triton.exit_timeout + STOP_SLACK_S, signals.hurry)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,37 @@ def test_a_client_leaving_a_non_streamed_request_frees_the_kv_blocks_at_once(ser
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.05)
     _assert_freed_at_once(server)
+
+
+# ----- shutdown --------------------------------------------------------------------------------
+
+def _refused_or_unready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health/ready", timeout=5).status_code == 503
+    except httpx.TransportError:  # the listening socket is closed
+        return True
+
+
+def test_sigterm_drains_the_stream_in_flight(server):
+    """SIGTERM (what `make serve` and supervisors send): the frontend stops taking requests and
+    turns unready at once, the stream in flight still finishes whole, then the process exits."""
+    handle = Frontend(server.grpc_url, ["--drain-timeout-s", "60"]).wait("/health/ready")
+    body = {"model": "ensemble", "prompt": COUNT, "max_tokens": 16, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=120) as reply:
+            lines = (line for line in reply.iter_lines() if line)
+            events = [next(lines)]
+            handle.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not _refused_or_unready(handle.url) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _refused_or_unready(handle.url)
+            events += list(lines)
+        assert handle.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        handle.stop()
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 import torch
@@ -76,7 +77,22 @@ class Ranks:
         self.processes = processes
         self._stopped = False
         self._lock = threading.Lock()
+        self.stopping = threading.Event()  # set once a stop or kill begins
         atexit.register(self.stop)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Logs a rank that dies while the engine runs: rank 0's next collective then fails
+        (gloo at once, NCCL at its timeout), which fails the engine instead of hanging it
+        silently. A watcher waits on the process's sentinel and reads its exit code only when
+        no stop is under way: two threads reaping one process can lose its exit code."""
+        def watch(p):
+            mp_connection.wait([p.sentinel])
+            if not self.stopping.is_set() and p.exitcode not in (0, None):
+                logger.error("tensor-parallel rank process %s (pid %d) exited with code %s",
+                             p.name, p.pid, p.exitcode)
+        for p in self.processes:
+            threading.Thread(target=watch, args=(p,), name=f"watch-{p.name}", daemon=True).start()
 
     def send_step(self, plan: StepPlan) -> None:
         self.tp.send_message(MSG_STEP, plan.pack())
@@ -85,6 +101,7 @@ class Ranks:
         """Ends the other ranks at once (rank 0's start-up failed: they cannot be told)."""
         with self._lock:
             self._stopped = True
+            self.stopping.set()
         for p in self.processes:
             p.kill()
             p.join()
@@ -97,6 +114,7 @@ class Ranks:
             if self._stopped:
                 return
             self._stopped = True
+            self.stopping.set()
         start = time.monotonic()
         told = False
         if all(p.is_alive() for p in self.processes):
@@ -140,20 +158,7 @@ def start_ranks(model_dir: str, config: ExecutorConfig) -> tuple[TensorParallel,
         for p in processes:
             p.kill()
         raise
-    _watch(processes)
     return tp, Ranks(tp, processes)
-
-
-def _watch(processes: list) -> None:
-    """Logs a rank that dies: rank 0's next collective then fails (gloo at once, NCCL at its
-    timeout), which fails the engine instead of hanging it silently."""
-    def watch(p):
-        p.join()
-        if p.exitcode not in (0, None):
-            logger.error("tensor-parallel rank process %s (pid %d) exited with code %s",
-                         p.name, p.pid, p.exitcode)
-    for p in processes:
-        threading.Thread(target=watch, args=(p,), name=f"watch-{p.name}", daemon=True).start()
 
 
 def _rank_main(rank: int, size: int, port: int, model_dir: str, config: ExecutorConfig) -> None:

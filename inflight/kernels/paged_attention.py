@@ -189,11 +189,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"decode needs one query per row: q has {num_seqs} rows, "
                          f"seq_lens {seq_lens.shape[0]}")
-    if out is None:
-        out = torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
-    check_last_dim_contiguous("out", out)
+    out = output_like(q, out)
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -250,3 +246,21 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         raise ValueError("block_tables rows must be contiguous")
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [{num_seqs}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+
+
+def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention wrappers' output: `out` checked to be q's shape and dtype with its last dim
+    contiguous, or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    check_last_dim_contiguous("out", out)
+    return out
+
+
+def check_query_start_loc(query_start_loc: torch.Tensor, num_rows: int) -> None:
+    """query_start_loc must be [num_rows + 1] int32 (the prefill and mixed wrappers)."""
+    if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_rows + 1,):
+        raise ValueError(f"query_start_loc must be [{num_rows + 1}] int32, got "
+                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")

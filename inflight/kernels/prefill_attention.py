@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from inflight.kernels._common import check_last_dim_contiguous, dot_precision, tl, triton
-from inflight.kernels.paged_attention import check_paged_inputs
+from inflight.kernels._common import dot_precision, tl, triton
+from inflight.kernels.paged_attention import check_paged_inputs, check_query_start_loc, output_like
 
 
 @triton.jit
@@ -150,14 +150,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     check_paged_inputs(q, kv_cache, block_tables, seq_lens, block_n or 16)
-    if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}] int32, got "
-                         f"{tuple(query_start_loc.shape)} {query_start_loc.dtype}")
-    if out is None:
-        out = torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
-    check_last_dim_contiguous("out", out)
+    check_query_start_loc(query_start_loc, num_seqs)
+    out = output_like(q, out)
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     dm, dn, dw, ds = default_tiles(q.dtype, head_dim)

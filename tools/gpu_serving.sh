@@ -2,7 +2,9 @@
 # Streaming through Triton vs the engine in process on the GPU (issue 10), in one command on the
 # device machine, from the repository root, carrying .device/serving (tools/gpu_serving_pack.sh):
 #
-#   bash tools/gpu_serving.sh            # ~7-9 min on an H100
+#   bash tools/gpu_serving.sh            # ~3-4 min on an H100
+#   bash tools/gpu_serving.sh trace      # where a streamed first token's time goes, per stage
+#                                        # (tools/serving_trace.py), at CONCURRENCY_TRACE (default 1 64)
 #
 # 1. The server's Python environment: a venv over the image's packages in which numpy 1.26.4
 #    (Triton 2.51's python backend stub corrupts BYTES tensors with numpy 2) comes first, and
@@ -63,6 +65,17 @@ step "random-weight Llama-3.2-1B-shaped checkpoint"
 if [[ ! -f $MODEL/model.safetensors ]]; then
   timeout 300 $IMG_PY tools/random_checkpoint.py --shape llama-3.2-1b --tokenizer "$WORK/pack/tokenizer" \
     --out "$MODEL" --dtype bfloat16 || exit 4
+fi
+
+if [[ ${1:-bench} == trace ]]; then
+  step "serving_trace: Triton's trace of streamed requests, c = ${CONCURRENCY_TRACE:-1 64}"
+  timeout --kill-after=15 400 "$ENV/bin/python3" tools/serving_trace.py \
+    --model "$MODEL" --device cuda --dtype bfloat16 --concurrency ${CONCURRENCY_TRACE:-1 64} \
+    --prompt-tokens 128 --output-tokens 128 --perf-analyzer "$PA" --server-log "$OUT/server_trace.log" \
+    --set "max_seq_len:1024${SET:+,$SET}" ${TRACE_ARGS:-}
+  rc=$?
+  step "done (exit $rc)"
+  exit $rc
 fi
 
 step "bench_serving: Triton (streaming, non-streaming) vs in process, c = $CONCURRENCY"

@@ -218,8 +218,10 @@ def collect(results: queue.Queue, timeout_s: float = 120) -> StreamResult:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None = None, **build_values):
-    """Build a repository for `model_dir` under `work_dir` and serve it until the block ends."""
+def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None = None,
+                   triton_args: tuple[str, ...] = (), **build_values):
+    """Build a repository for `model_dir` under `work_dir` and serve it until the block ends
+    (`triton_args`: more tritonserver flags, e.g. a trace configuration)."""
     args = build_repository.parse_args(["--model", str(model_dir), "--out", str(work_dir / "repo"),
                                         "--force"])
     values = build_repository.values_from_args(args)
@@ -231,7 +233,7 @@ def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None =
         "--model_repo", str(work_dir / "repo"), "--http_port", str(http_port),
         "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
         "--log-file", str(log_file), "--shm_prefix", f"inflighttest{http_port}_",
-        "--", f"--exit-timeout-secs={TEST_EXIT_TIMEOUT_S}"])  # after the launcher's own 30 s
+        "--", f"--exit-timeout-secs={TEST_EXIT_TIMEOUT_S}", *triton_args])  # after the launcher's own 30 s
     launched = launch_triton_server.launch(launch_args, env)
     server = Server(http_port, grpc_port, metrics_port, log_file, launched.process.pid,
                     launched.auth.secret)

@@ -11,6 +11,7 @@ each result against `ensemble.io_contract` by parsing it as Triton's ModelConfig
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -34,7 +35,10 @@ DEFAULTS = {
     "decoupled_mode": "true",
     "max_queue_delay_microseconds": "0",
     "max_queue_size": "0",
-    "preprocessing_instance_count": "1",
+    # Tokenizing is a first token's first stage; one instance queued requests for tens of
+    # milliseconds at concurrency 64 on an H100 host (tools/serving_trace.py). Instances are
+    # processes, so as many as the cores allow: 1 below 8 cores, 2 at 8, 4 from 16.
+    "preprocessing_instance_count": str(max(1, min(4, (os.cpu_count() or 1) // 4))),
     "postprocessing_instance_count": "1",
     "add_special_tokens": "true",
     "skip_special_tokens": "true",

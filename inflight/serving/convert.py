@@ -51,6 +51,7 @@ class RowState:
     batch_index: int
     options: RequestOptions
     request_key: int = 0  # unique per Triton request; see ensemble.io_contract.CANCEL_KEY_PREFIX
+    has_sent: bool = False  # a response of this row went out (its first is sent first: outbox)
     # Per sequence_index, generated tokens already sent (last CONTEXT_TOKENS only): the next
     # chunk's context.
     context_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -15,10 +15,13 @@ corruption; with one thread no two sends ever overlap. The poller only asks `is_
 under the request's lock, never after its final was sent (posting its many questions here
 would hold up the responses).
 
-Send what is ready: `respond` takes every event waiting, merges the consecutive streamed chunks
-of each row (tokens and log probs concatenated, the last chunk's final flag and totals), and
-sends at most one response per row, all rows of those engine steps together. A stream that
-fell behind gets one response with all its new tokens.
+Send what is ready: the responder gathers the engine's responses per row in an `Outbox` and
+sends one row at a time, its waiting chunks merged (tokens and log probs concatenated, the last
+chunk's final flag and totals), taking new engine events after every send. A stream that fell
+behind gets one response with all its new tokens. The outbox sends first chunks and last
+chunks before the others (see `inflight.serving.outbox`): under load the sends, not the engine,
+set the pace, and a first token or a finished request waiting behind a round of every other
+stream's chunks was most of the time to first token through Triton.
 
 Keep the detokenizer's queue short: each chunk costs one `postprocessing` execute (Triton 2.51
 cannot batch them safely, see its config.pbtxt). When the detokenizer is behind (a chunk has
@@ -41,11 +44,13 @@ from ensemble import control
 from inflight.executor.types import FinishReason, Response, Result
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
+from inflight.serving.outbox import Outbox
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
 _REJECTION_CODES = {wire.QUEUE_FULL: UNAVAILABLE, wire.INVALID: INVALID_ARG}
 BEHIND_S = 0.15  # > the detokenizer's acknowledgement period (postprocessing/1/model.py)
 HELD_POLL_S = 0.005  # how often held streams are looked at again
+SEND_SLICE_S = 0.02  # the responder runs posted work and re-reads the detokenizer's lag this often
 DEAD_MESSAGE = "the engine has stopped and the model is being unloaded; see the server log"
 
 
@@ -119,7 +124,7 @@ class RequestTable:
         self.drain = drain.Drain()
         self.dead_message: str | None = None
         self.latest_stats = None
-        self.held: dict[int, list[Response]] = {}  # stub id -> responses kept back (responder)
+        self.outbox = Outbox()  # the engine's responses not sent yet (responder only)
         self.posted: deque = deque()  # work for the responder thread (`post`)
         self._wake = getattr(engine, "wake", None)
 
@@ -229,38 +234,54 @@ class RequestTable:
 
     def respond(self, timeout_s: float) -> None:
         """Run posted work, take every engine event waiting (or wait up to `timeout_s` for one,
-        or for a `post`) and send."""
+        or for a `post`) and send, for up to `SEND_SLICE_S`."""
         self.run_posted()
-        by_row, self.held = self.held, {}
+        if self.posted:
+            timeout_s = 0
+        elif len(self.outbox) or (self._wake is None and timeout_s > HELD_POLL_S):
+            timeout_s = min(timeout_s, HELD_POLL_S)  # held rows, or no wake-up: look again soon
+        dead = self._take(self.engine.receive(timeout_s))
+        with self.lock:
+            is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
+        may_wait = self._may_wait if is_behind else (lambda stub_id, responses: False)
+        slice_end_s = time.monotonic() + SEND_SLICE_S
+        while dead is None and time.monotonic() < slice_end_s:
+            row = self.outbox.pop_next(may_wait)
+            if row is None:
+                break
+            for response in merge(row[1]):
+                self._deliver(row[0], response)
+            dead = self._take(self.engine.receive(0))
+            self.run_posted()
+        if dead is not None:
+            for stub_id, responses in self.outbox.pop_all():
+                for response in merge(responses):
+                    self._deliver(stub_id, response)
+            self.dead_message = dead
+            self.fail_all(dead, INTERNAL)
+        self.run_posted()
+
+    def _take(self, events: list[tuple]) -> str | None:
+        """Engine events into the outbox (rejections answered at once); the engine's last
+        words if it died."""
         dead = None
-        if by_row or (self._wake is None and timeout_s > HELD_POLL_S):
-            timeout_s = min(timeout_s, HELD_POLL_S)  # no wake-up: look at posted work often
-        for event in self.engine.receive(0 if self.posted else timeout_s):
+        for event in events:
             if event[0] == "step":
-                for stub_id, response in event[1]:
-                    by_row.setdefault(stub_id, []).append(response)
+                with self.lock:
+                    for stub_id, response in event[1]:
+                        pending = self.by_stub_id.get(stub_id)
+                        if pending is not None:
+                            self.outbox.put(stub_id, response, not pending.rows[stub_id].has_sent)
                 if event[2] is not None:
                     self.latest_stats = event[2]
             elif event[0] == "rejected":
                 self._reject(event[1], _REJECTION_CODES.get(event[2], INTERNAL), event[3])
             elif event[0] == "dead":
                 dead = event[1]
-        with self.lock:
-            is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
-        for stub_id, responses in by_row.items():
-            for response in merge(responses):
-                if is_behind and self._may_wait(stub_id, response):
-                    self.held.setdefault(stub_id, []).append(response)
-                else:
-                    self._deliver(stub_id, response)
-        if dead is not None:
-            self.dead_message = dead
-            self.fail_all(dead, INTERNAL)
-        self.run_posted()
+        return dead
 
-    def _may_wait(self, stub_id: int, response: Response) -> bool:
-        if response.has_error() or response.result.is_final:
-            return False
+    def _may_wait(self, stub_id: int, responses: list[Response]) -> bool:
+        """The detokenizer is behind: may this row's new tokens wait here, merged?"""
         with self.lock:
             pending = self.by_stub_id.get(stub_id)
             return pending is not None and self.delivery.is_waiting(pending.key)
@@ -315,6 +336,7 @@ class RequestTable:
                     self.delivery.unsent(pending.key, chunk)
                 raise
             self.delivery.sent(chunk, time.monotonic())
+            pending.rows[stub_id].has_sent = True
 
     def _forget(self, pending: Pending) -> None:
         """Drop a request from the indexes; the caller holds `lock`."""

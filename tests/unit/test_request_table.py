@@ -228,11 +228,28 @@ def test_a_stream_waiting_at_a_slow_detokenizer_keeps_its_tokens_until_its_chunk
     table.respond(0)
     table.engine.events = [("step", [(row, chunk(row, [4]))], None)]
     table.respond(0)
-    assert len(sender.sent) == 2 and table.held  # kept back, merged
+    assert len(sender.sent) == 2 and len(table.outbox) == 1  # kept back, merged
     table.ack({key: 2}, None)
     table.respond(0)
     assert [t["output_ids"].tolist() for _, t, _ in sender.sent] == [[[[1]]], [[[2]]], [[[3, 4]]]]
-    assert not table.held
+    assert not len(table.outbox)
+
+
+def test_the_responder_sends_a_new_streams_first_token_before_older_streams_tokens():
+    table = RequestTable(FakeEngine(), FakeSink())
+    old_sender, [old] = add(table, user_id="old")
+    table.engine.events = [("step", [(old, chunk(old, [1]))], None)]
+    table.respond(0)
+    new_sender, [new] = add(table, user_id="new")
+    sent = []
+    table.sink.send_tensors = lambda sender, tensors, final: sent.append(
+        (sender, tensors["output_ids"].tolist()))
+    table.engine.events = [("step", [(old, chunk(old, [2])), (new, chunk(new, [7]))], None)]
+    engine_receive = table.engine.receive
+    later = [[("step", [(old, chunk(old, [3]))], None)]]  # arrives while the first send is made
+    table.engine.receive = lambda timeout_s: engine_receive(timeout_s) or (later.pop() if later else [])
+    table.respond(0)
+    assert sent == [(new_sender, [[[7]]]), (old_sender, [[[2, 3]]])]
 
 
 def test_posted_answers_are_sent_by_the_responder_in_order(table):

@@ -151,6 +151,18 @@ def test_client_cancel_is_polled(table):
     assert table.engine.cancelled == [row]
 
 
+def test_many_live_requests_are_polled_in_turns_of_a_bounded_size(table, monkeypatch):
+    import inflight.serving.request_table as request_table
+
+    monkeypatch.setattr(request_table, "MAX_CANCEL_CHECKS_PER_PERIOD", 2)
+    senders = [add(table, user_id=str(i))[0] for i in range(5)]
+    asked = []
+    table.sink.is_cancelled = lambda sender: asked.append(senders.index(sender)) or False
+    for _ in range(3):
+        table.poll_cancelled()
+    assert asked == [0, 1, 2, 3, 4, 0]  # each is asked within ceil(5 / 2) periods
+
+
 def test_a_dead_engine_fails_everything_and_refuses_more(table):
     sender, [row] = add(table)
     stats = IterationStats(iter=7)

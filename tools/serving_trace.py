@@ -24,7 +24,8 @@ Triton's timestamps (one monotonic clock for every process):
                 does: then negative)
 
 and the stream's later chunks by `chunk gap` (from one chunk's postprocessing request to the
-next) and `tokens/chunk`. Medians and p90 per concurrency; the stage whose share grows with
+next) and `tokens/chunk`; then the `tensorrt_llm` stub's own timings (inflight.serving.timings):
+its sends, cancellation questions, engine events taken and executes, per second and mean ms. Medians and p90 per concurrency; the stage whose share grows with
 the load is the one to work on.
 """
 
@@ -46,8 +47,11 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import serving_load  # noqa: E402
+
+from inflight.serving import timings  # noqa: E402
 from bench_serving import DEFAULT_MODEL, perf_analyzer_binary  # noqa: E402
 
+TIMINGS_PERIOD_S = 2.0
 STAGES = ("read", "pre.queue", "pre.exec", "trt.queue", "trt.exec", "engine", "post.queue",
           "post.exec", "send")
 
@@ -91,6 +95,16 @@ def first_token_stages(headers, stamps) -> list[tuple[int, dict[str, float], lis
         gaps = [(b["REQUEST_START"][0] - a["REQUEST_START"][0]) / 1e6 for a, b in zip(posts, posts[1:])]
         out.append((read, stages, gaps, len(posts)))
     return out
+
+
+def stub_timings(log: Path, offset: int) -> tuple[int, list[str]]:
+    """The engine model's timing lines (inflight.serving.timings) written since `offset`."""
+    with open(log, errors="replace") as f:
+        f.seek(offset)
+        text = f.read()
+        end = f.tell()
+    return end, [line[line.index("stub timings"):].rstrip('"')
+                 for line in text.splitlines() if "stub timings" in line]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -155,18 +169,25 @@ def main(argv=None) -> int:
         with contextlib.ExitStack() as stack:
             if args.server_log:  # runs once the server has stopped, before its folder goes
                 stack.callback(lambda: shutil.copy2(work / "server.log", args.server_log))
-            server = stack.enter_context(running_server(model, work, triton_args=triton_args, **values))
+            env = {timings.ENV_VAR: str(TIMINGS_PERIOD_S)}
+            server = stack.enter_context(running_server(model, work, env=env, triton_args=triton_args,
+                                                        **values))
+            log_offset = 0
             for c in args.concurrency:
                 begin = time.monotonic_ns()
                 num = max(c * args.rounds, 12)
                 level = serving_load.run_perf_analyzer(binary, server.grpc_url, inputs, c, max(num // 3, 1),
                                                        args.output_tokens, "Triton streaming", work)
-                windows.append((c, begin, time.monotonic_ns(), level))
+                time.sleep(TIMINGS_PERIOD_S)  # the level's last timings line
+                log_offset, lines = stub_timings(work / "server.log", log_offset)
+                windows.append((c, begin, time.monotonic_ns(), level, lines))
         headers, stamps = load_trace(trace)  # written when the server stops
         requests = first_token_stages(headers, stamps)
         print(f"{args.prompt_tokens}-token prompts, {args.output_tokens} tokens out, trace rate {args.rate}")
-        for c, begin, end, level in windows:
+        for c, begin, end, level, lines in windows:
             print_level(c, [r for r in requests if begin <= r[0] < end], args.output_tokens, level)
+            for line in lines:
+                print(f"    {line}")
     return 0
 
 

@@ -45,6 +45,7 @@ from inflight.executor.types import FinishReason, Response, Result
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox
+from inflight.serving.timings import Timings
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
 _REJECTION_CODES = {wire.QUEUE_FULL: UNAVAILABLE, wire.INVALID: INVALID_ARG}
@@ -114,7 +115,7 @@ def merge(responses: list[Response]) -> list[Response]:
 
 
 class RequestTable:
-    def __init__(self, engine, sink: Sink, on_final=None):
+    def __init__(self, engine, sink: Sink, on_final=None, timings: Timings | None = None):
         self.engine = engine
         self.sink = sink
         self.on_final = on_final or (lambda result: None)  # token-length histograms
@@ -129,6 +130,7 @@ class RequestTable:
         self.dead_message: str | None = None
         self.latest_stats = None
         self.outbox = Outbox()  # the engine's responses not sent yet (responder only)
+        self.timings = timings or Timings()  # off unless asked for (inflight.serving.timings)
         self._next_poll = 0  # where the next cancellation poll starts among the live requests
         self.posted: deque = deque()  # work for the responder thread (`post`)
         self._wake = getattr(engine, "wake", None)
@@ -218,7 +220,8 @@ class RequestTable:
             with pending.lock:
                 if pending.is_done or pending.is_client_cancelled:
                     continue
-                pending.is_client_cancelled = self.sink.is_cancelled(pending.sender)
+                with self.timings.timed("is_cancelled"):
+                    pending.is_client_cancelled = self.sink.is_cancelled(pending.sender)
             if pending.is_client_cancelled:
                 self.cancel(pending)
 
@@ -261,7 +264,8 @@ class RequestTable:
                 break
             for response in merge(row[1]):
                 self._deliver(row[0], response)
-            dead = self._take(self.engine.receive(0))
+            with self.timings.timed("take"):
+                dead = self._take(self.engine.receive(0))
             self.run_posted()
         if dead is not None:
             for stub_id, responses in self.outbox.pop_all():
@@ -336,11 +340,13 @@ class RequestTable:
             if is_last:
                 self.sink.send_final(pending.sender)
         else:
-            tensors = convert.response_tensors(response, pending.rows[stub_id])
+            with self.timings.timed("convert"):
+                tensors = convert.response_tensors(response, pending.rows[stub_id])
             with self.lock:
                 chunk = self.delivery.sending(pending.key)
             try:
-                self.sink.send_tensors(pending.sender, tensors, final=is_last)
+                with self.timings.timed("send"):
+                    self.sink.send_tensors(pending.sender, tensors, final=is_last)
             except Exception:
                 with self.lock:
                     self.delivery.unsent(pending.key, chunk)

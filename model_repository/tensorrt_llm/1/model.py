@@ -20,6 +20,7 @@ the detokenizer's cancel relay and acknowledgements, or the launcher's drain.
 import functools
 import json
 import os
+import sys
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -33,6 +34,7 @@ from inflight.serving.backend import create_executor, engine_features
 from inflight.serving.engine_client import EngineProcess, EngineStartError, InProcessEngine
 from inflight.serving.params import executor_config, ignored_parameters
 from inflight.serving.request_table import RequestTable
+from inflight.serving.timings import Timings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -93,7 +95,10 @@ class TritonPythonModel:
         self.auth = control.ControlAuth.from_env()
         self.metrics = metrics.TritonMetrics(pb_utils, args["model_name"], args["model_version"],
                                              pb_utils.Logger.log_warn)
-        self.table = RequestTable(engine, Sink(), self.metrics.observe)
+        self.timings = Timings.from_env()
+        if os.environ.get("INFLIGHT_SWITCH_INTERVAL_S"):  # an experiment: the responder's GIL waits
+            sys.setswitchinterval(float(os.environ["INFLIGHT_SWITCH_INTERVAL_S"]))
+        self.table = RequestTable(engine, Sink(), self.metrics.observe, self.timings)
         self.published_stats = None
         self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)
         self.stopping = threading.Event()
@@ -135,6 +140,11 @@ class TritonPythonModel:
             work()
 
     def execute(self, requests):
+        with self.timings.timed("execute"):
+            self._execute(requests)
+        return None
+
+    def _execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -156,7 +166,6 @@ class TritonPythonModel:
                 self._answer_error(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # keep serving the other requests of this batch
                 self._answer_error(sender, f"{type(exc).__name__}: {exc}", "INTERNAL")
-        return None
 
     def _answer_error(self, sender, message, code):
         """A final error, sent by the responder thread (the only one that sends)."""
@@ -198,6 +207,9 @@ class TritonPythonModel:
                                pb_utils.Logger.log_warn)).start()
 
     def _housekeep(self):
+        report = self.timings.report()
+        if report is not None:
+            pb_utils.Logger.log_info(f"{self.model_name}: {report}")
         self._unload_if_dead()
         self.table.post(self.table.tick, once=True)  # it may answer and fail requests
         stats = self.table.latest_stats

@@ -3,6 +3,7 @@
     python tools/bench_openai.py                       # starts its own tritonserver + frontend
     python tools/bench_openai.py --stub                # a stand-in Triton: the frontend's own cost
     python tools/bench_openai.py --grpc-url 127.0.0.1:8001 --openai-url http://127.0.0.1:9000
+    python tools/bench_openai.py --model DIR --device cuda --dtype bfloat16   # tools/gpu_openai.sh
 
 Both paths stream the same chat prompts with the same settings (greedy, exactly `--max-tokens`
 output tokens through `min_tokens`): the frontend through `/v1/chat/completions` (httpx, SSE,
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -246,16 +248,17 @@ def main(argv=None) -> int:
                         help="the stub's time to first token (the frontend idles meanwhile, as "
                         "with an engine)")
     parser.add_argument("--stub-token-ms", type=float, default=2.0)
+    parser.add_argument("--device", help="the engine's device (default: the repository's)")
+    parser.add_argument("--dtype", help="the engine's dtype (default: the repository's)")
+    parser.add_argument("--set", default="", help="more repository values, k1:v1,k2:v2")
+    parser.add_argument("--server-log", help="keep tritonserver's log here")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         grpc_url, openai_url, frontend_pid = args.grpc_url, args.openai_url, args.frontend_pid
         if grpc_url is None and args.stub:
             grpc_url = stack.enter_context(_stub(args.stub_first_token_ms, args.stub_token_ms))
         if grpc_url is None:
-            from tests.e2e.server import running_server
-
-            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            grpc_url = stack.enter_context(running_server(Path(args.model), work_dir)).grpc_url
+            grpc_url = stack.enter_context(_server(args)).grpc_url
         if openai_url is None:
             tokenizer = ["--tokenizer", args.model] if args.stub else []
             openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url, tokenizer))
@@ -265,6 +268,24 @@ def main(argv=None) -> int:
     for concurrency, level in results.items():
         report_level(concurrency, level)
     return 0
+
+
+@contextlib.contextmanager
+def _server(args):
+    """A real tritonserver serving `args.model` behind the ensemble, until the block ends."""
+    from fill_template import split_pairs
+    from tests.e2e.server import running_server
+
+    values = {key: value for key, value in (("device", args.device), ("dtype", args.dtype)) if value}
+    values.update(split_pairs(args.set))
+    with tempfile.TemporaryDirectory(prefix="bench-openai-") as work_dir:
+        try:
+            with running_server(Path(args.model).resolve(), Path(work_dir),
+                                **values) as server:
+                yield server
+        finally:
+            if args.server_log and (Path(work_dir) / "server.log").exists():
+                shutil.copy2(Path(work_dir) / "server.log", args.server_log)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@
 #   bash tools/gpu_serving.sh            # ~3-4 min on an H100
 #   bash tools/gpu_serving.sh trace      # where a streamed first token's time goes, per stage
 #                                        # (tools/serving_trace.py), at CONCURRENCY_TRACE (default 1 64)
+#   bash tools/gpu_serving.sh setup      # steps 1 and 2 only (tools/gpu_openai.sh starts with it)
 #
 # 1. The server's Python environment: a venv over the image's packages in which numpy 1.26.4
 #    (Triton 2.51's python backend stub corrupts BYTES tensors with numpy 2) comes first, and
@@ -65,6 +66,11 @@ step "random-weight Llama-3.2-1B-shaped checkpoint"
 if [[ ! -f $MODEL/model.safetensors ]]; then
   timeout 300 $IMG_PY tools/random_checkpoint.py --shape llama-3.2-1b --tokenizer "$WORK/pack/tokenizer" \
     --out "$MODEL" --dtype bfloat16 || exit 4
+fi
+
+if [[ ${1:-bench} == setup ]]; then
+  step "done (environment $ENV, checkpoint $MODEL)"
+  exit 0
 fi
 
 if [[ ${1:-bench} == trace ]]; then

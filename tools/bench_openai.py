@@ -46,6 +46,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.grpc.aio as grpcaio  # noqa: E402
 
 from ensemble.io_contract import ENSEMBLE  # noqa: E402
+from sse_client import SSEClient  # noqa: E402
 
 PROMPTS = [
     "Explain what a hash table is.", "Write a short poem about the sea.",
@@ -111,23 +112,34 @@ async def direct(client: grpcaio.InferenceServerClient, prompt: str, max_tokens:
                   int(out.as_numpy("num_input_tokens").reshape(-1)[0]))
 
 
-async def frontend(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": "ensemble", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def _chat_body(prompt: str, max_tokens: int) -> dict:
+    return {"model": "ensemble", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "min_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, ttft, usage = time.perf_counter(), None, None
-    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
+
+
+async def _sample(start: float, chunks) -> Sample:
+    ttft, usage = None, None
+    async for chunk in chunks:
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            ttft = time.perf_counter() - start
+        usage = chunk.get("usage") or usage
     return Sample(ttft, usage["completion_tokens"], usage["prompt_tokens"])
+
+
+async def frontend(http: SSEClient, prompt: str, max_tokens: int) -> Sample:
+    start = time.perf_counter()
+    return await _sample(start, http.events("/v1/chat/completions", _chat_body(prompt, max_tokens)))
+
+
+async def frontend_httpx(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
+    start = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=_chat_body(prompt, max_tokens)) as reply:
+        reply.raise_for_status()
+        lines = (json.loads(line[6:]) async for line in reply.aiter_lines() if line.startswith("data: {"))
+        return await _sample(start, lines)
 
 
 async def run_level(request, concurrency: int, num_requests: int, max_tokens: int) -> Level:
@@ -182,8 +194,11 @@ async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
                 args) -> dict[int, dict[str, Level]]:
     client = grpcaio.InferenceServerClient(grpc_url)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    sse = SSEClient.for_url(openai_url)
     async with httpx.AsyncClient(base_url=openai_url, limits=limits, timeout=600) as http:
-        paths = {"direct": lambda p, n: direct(client, p, n), "frontend": lambda p, n: frontend(http, p, n)}
+        through = (lambda p, n: frontend_httpx(http, p, n)) if args.http_client == "httpx" else (
+            lambda p, n: frontend(sse, p, n))
+        paths = {"direct": lambda p, n: direct(client, p, n), "frontend": through}
         pids = {"direct": None, "frontend": frontend_pid}
         for name, request in paths.items():  # warm up both (first-use costs on both sides)
             await run_level(request, 4, 4, 8)
@@ -203,6 +218,7 @@ async def bench(grpc_url: str, openai_url: str, frontend_pid: int | None,
                                                      concurrency * args.rounds // 2, args.max_tokens))
                 results[concurrency] = {name: _merge(levels) for name, levels in runs.items()}
             report_level(concurrency, results[concurrency])
+    await sse.close()
     await client.close()
     return results
 
@@ -248,6 +264,9 @@ def main(argv=None) -> int:
                         help="the stub's time to first token (the frontend idles meanwhile, as "
                         "with an engine)")
     parser.add_argument("--stub-token-ms", type=float, default=2.0)
+    parser.add_argument("--http-client", choices=["lean", "httpx"], default="lean",
+                        help="the frontend's client: tools/sse_client.py (the frontend's cost) or "
+                        "httpx, as the openai client (adds httpx's own, ~3 ms on 2 cores)")
     parser.add_argument("--device", help="the engine's device (default: the repository's)")
     parser.add_argument("--dtype", help="the engine's dtype (default: the repository's)")
     parser.add_argument("--set", default="", help="more repository values, k1:v1,k2:v2")

@@ -7,7 +7,8 @@
 
 Each generation route checks the model name (404), turns the request into a `Plan` (400 for
 what cannot be served), checks that Triton is ready (503), then runs one Triton stream per
-choice. `create_app` takes ready-made parts, so tests can build the app around any of them.
+choice. `create_app` takes ready-made parts, so tests can build the app around any of them; the
+generation routes' well-formed requests skip FastAPI's machinery (fast_path.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from openai_frontend import errors
 from openai_frontend.chat import ChatRenderer
+from openai_frontend.fast_path import FastPath
 from openai_frontend.generation import collect, merge, run_choice
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from openai_frontend.responses import (ChatStream, CompletionStream, Context, chat_completion,
@@ -52,7 +54,8 @@ def _json(model, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-def create_app(client: TritonClient, served: ServedModel) -> FastAPI:
+def create_app(client: TritonClient, served: ServedModel) -> FastPath:
+    """The ASGI app: FastAPI's routes, the generation routes' common case served by FastPath."""
     app = FastAPI(title="OpenAI-compatible API for a Triton LLM ensemble", docs_url=None,
                   redoc_url=None, openapi_url=None)
     errors.install_handlers(app)
@@ -93,6 +96,9 @@ def create_app(client: TritonClient, served: ServedModel) -> FastAPI:
         ctx = Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan)
         return await generate(request, plan, ctx, ChatStream, chat_completion)
 
+    fast = FastPath(app, {"/v1/completions": (CompletionRequest, completions),
+                          "/v1/chat/completions": (ChatCompletionRequest, chat_completions)})
+
     @app.get("/health/live")
     async def live():
         return {"status": "live"}
@@ -102,4 +108,4 @@ def create_app(client: TritonClient, served: ServedModel) -> FastAPI:
         await client.check_ready(fresh=True)
         return {"status": "ready"}
 
-    return app
+    return fast

@@ -93,5 +93,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error serving %s", request.url.path)
-        error = APIError(500, "The server had an error while processing your request.")
-        return JSONResponse(error.body(), status_code=500)
+        return internal_error()
+
+
+def internal_error() -> JSONResponse:
+    """The answer to anything unexpected: a 500 without a stack trace (logged by the caller)."""
+    error = APIError(500, "The server had an error while processing your request.")
+    return JSONResponse(error.body(), status_code=500)

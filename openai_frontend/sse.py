@@ -37,22 +37,33 @@ def event(data: str) -> bytes:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
+    """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first.
 
-    async def disconnected():
+    `work` runs in the caller's task, not a task of its own: its result reaches the caller
+    without a hop through the event loop (the first token waits for each hop); a watcher task
+    cancels the caller when the client goes."""
+    caller = asyncio.current_task()
+    gone = False
+
+    async def watch():
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        caller.cancel()
 
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ClientGone()
-        return task.result()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        caller.uncancel()
+        raise ClientGone() from None
     finally:
         watcher.cancel()
-        task.cancel()
+        if asyncio.iscoroutine(work):
+            work.close()  # never started (cancelled at once): no "never awaited" warning
 
 
 class _EventStream(StreamingResponse):

@@ -6,9 +6,10 @@
     python tools/bench_openai.py --model DIR --device cuda --dtype bfloat16   # tools/gpu_openai.sh
 
 Both paths stream the same chat prompts with the same settings (greedy, exactly `--max-tokens`
-output tokens through `min_tokens`): the frontend through `/v1/chat/completions` (httpx, SSE,
-`include_usage`), the direct path to the gRPC ensemble with `apply_chat_template`, which renders
-the same template into the same prompt tokens (checked). The two paths take turns (request by
+output tokens through `min_tokens`): the frontend through `/v1/chat/completions` (SSE,
+`include_usage`, read by tools/sse_client.py; `--http-client httpx` reads it as the `openai`
+client does, adding httpx's own time), the direct path to the gRPC ensemble with
+`apply_chat_template`, which renders the same template into the same prompt tokens (checked). The two paths take turns (request by
 request at concurrency 1, A B B A above), so drift on a shared machine falls on both. Prints time
 to first token (p50), output tok/s, the frontend process's CPU time per request (from /proc: the
 figure least moved by other load), the load average, and the ratios: frontend TTFT − direct TTFT

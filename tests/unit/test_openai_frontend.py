@@ -295,6 +295,20 @@ async def _failing_generate(request, request_id=""):
     yield  # an async generator
 
 
+@pytest.mark.parametrize("content, content_type, code", [
+    (b'{"model": "m", "prompt": ', "application/json", "invalid_json"),
+    (b'{"model": "m", "prompt": "a"}', "text/plain", "invalid_value"),
+    (b'["m"]', "application/json; charset=utf-8", "invalid_value"),
+])
+def test_bodies_the_fast_path_leaves_to_fastapi_get_its_errors(content, content_type, code):
+    async def post():
+        transport = httpx.ASGITransport(app=_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", content=content, headers={"content-type": content_type})
+    reply = _run(post())
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == code
+
+
 def test_completion_with_echo_and_n_counts_the_prompt_once():
     reply = _run(_post("/v1/completions", {"model": "m", "prompt": "Say", "n": 2, "echo": True,
                                            "max_tokens": 2}))

@@ -30,15 +30,30 @@ class SSEClient:
             writer.close()
         self._idle.clear()
 
+    async def _send(self, request: bytes):
+        """Send on an idle connection, or a new one when there is none or the server has closed
+        it (uvicorn closes a connection idle for 5 s); returns the reply's status line."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            try:
+                writer.write(request)
+                if status_line := await reader.readline():
+                    return reader, writer, status_line
+            except ConnectionError:
+                pass
+            writer.close()
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        writer.write(request)
+        return reader, writer, await reader.readline()
+
     async def events(self, path: str, body: dict) -> AsyncIterator[dict]:
         payload = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-        reader, writer = self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
+        reader, writer, status_line = await self._send(head.encode() + payload)
         reusable = False
         try:
-            writer.write(head.encode() + payload)
-            status = int((await reader.readline()).split()[1])
+            status = int(status_line.split()[1])
             headers = {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 name, value = line.decode("latin-1").split(":", 1)

@@ -256,7 +256,7 @@ class RequestTable:
         dead = self._take(self.engine.receive(timeout_s))
         with self.lock:
             is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
-        may_wait = self._may_wait if is_behind else (lambda stub_id, responses: False)
+        may_wait = self._may_wait if is_behind else (lambda stub_id: False)
         slice_end_s = time.monotonic() + SEND_SLICE_S
         while dead is None and time.monotonic() < slice_end_s:
             row = self.outbox.pop_next(may_wait)
@@ -286,6 +286,10 @@ class RequestTable:
                         pending = self.by_stub_id.get(stub_id)
                         if pending is not None:
                             self.outbox.put(stub_id, response, not pending.rows[stub_id].has_sent)
+                    for stub_id, *token in (event[3] if len(event) > 3 else ()):
+                        pending = self.by_stub_id.get(stub_id)
+                        if pending is not None:
+                            self.outbox.put_token(stub_id, *token, not pending.rows[stub_id].has_sent)
                 if event[2] is not None:
                     self.latest_stats = event[2]
             elif event[0] == "rejected":
@@ -294,7 +298,7 @@ class RequestTable:
                 dead = event[1]
         return dead
 
-    def _may_wait(self, stub_id: int, responses: list[Response]) -> bool:
+    def _may_wait(self, stub_id: int) -> bool:
         """The detokenizer is behind: may this row's new tokens wait here, merged?"""
         with self.lock:
             pending = self.by_stub_id.get(stub_id)

@@ -17,7 +17,7 @@ def token(stub_id, value, final=False):
 def order(outbox, may_wait=NEVER_WAIT):
     out = []
     while (row := outbox.pop_next(may_wait)) is not None:
-        out.append((row[0], [r.result.output_token_ids[0][0] for r in row[1]]))
+        out.append((row[0], [t for r in row[1] for t in r.result.output_token_ids[0]]))
     return out
 
 
@@ -82,6 +82,6 @@ def test_plain_tokens_gather_into_one_response_before_the_rows_final():
     outbox.put(9, token(9, 4, final=True), is_first=False)
     outbox.put_token(8, 0, 80, 5, 1, is_first=False)
     stub_id, responses = outbox.pop_next(NEVER_WAIT)
-    assert stub_id == 9 and [r.result.output_token_ids for r in responses] == [[[1, 2, 3]], [[4]]]
-    assert responses[0].result.num_output_tokens == 3 and responses[1].result.is_final
+    assert stub_id == 9 and [r.result.output_token_ids for r in responses] == [[[1, 2, 3, 4]]]
+    assert responses[0].result.is_final
     assert [(i, [r.result.output_token_ids for r in rs]) for i, rs in outbox.pop_all()] == [(8, [[[80]]])]

@@ -153,20 +153,20 @@ class EngineLoop:
     # ----- events --------------------------------------------------------------------------
 
     def _publish(self, responses: list) -> None:
-        items = [[stub_id, wire.response_to_wire(r)] for stub_id, r in self.ids.route(responses)]
+        items, tokens = wire.split_plain(self.ids.route(responses))
         now = time.monotonic()
         stats = None
         if self.stats_dirty and now - self.last_stats_s >= self.stats_period_s:
             stats = self._stats(now)
-        if items or stats is not None:
-            self._send([wire.STEP, items, stats])
+        if items or tokens is not None or stats is not None:
+            self._send([wire.STEP, items, stats, tokens])
 
     def _publish_idle_stats(self) -> None:
         """Idle now: publish a snapshot that shows nothing scheduled (once)."""
         if self.stats_dirty or self.has_stepped:
             self.has_stepped = False
             self.engine.refresh_stats()
-            self._send([wire.STEP, [], self._stats(time.monotonic())])
+            self._send([wire.STEP, [], self._stats(time.monotonic()), None])
 
     def _stats(self, now: float) -> dict:
         self.last_stats_s = now

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ensemble import control
-from inflight.executor.types import FinishReason, Response, Result
+from inflight.executor.types import FinishReason, Response
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox
@@ -84,34 +84,6 @@ class Pending:
     # set, under it, before the final send.
     lock: threading.Lock = field(default_factory=threading.Lock)
     is_done: bool = False
-
-
-def _mergeable(a: Result, b: Result) -> bool:
-    """Plain token chunks of the same sequence; logits and perf metrics go as they came."""
-    return (a.sequence_index == b.sequence_index and not a.is_sequence_final
-            and len(a.output_token_ids) == 1 and len(b.output_token_ids) == 1
-            and all(x is None for r in (a, b) for x in (r.context_logits, r.generation_logits,
-                                                        r.request_perf_metrics)))
-
-
-def merge(responses: list[Response]) -> list[Response]:
-    """Consecutive successful chunks of one row as one response; errors stay apart."""
-    out: list[Response] = []
-    for response in responses:
-        last = out[-1] if out else None
-        if (last is None or last.has_error() or response.has_error()
-                or not _mergeable(last.result, response.result)):
-            out.append(response)
-            continue
-        a, b = last.result, response.result
-        log_probs = None if a.log_probs is None else [a.log_probs[0] + (b.log_probs or [[]])[0]]
-        out[-1] = Response(last.request_id, client_id=last.client_id, result=Result(
-            is_final=b.is_final, output_token_ids=[a.output_token_ids[0] + b.output_token_ids[0]],
-            sequence_index=b.sequence_index,
-            cum_log_probs=b.cum_log_probs, log_probs=log_probs, finish_reasons=b.finish_reasons,
-            is_sequence_final=b.is_sequence_final, num_input_tokens=b.num_input_tokens,
-            num_output_tokens=b.num_output_tokens))
-    return out
 
 
 class RequestTable:
@@ -256,20 +228,20 @@ class RequestTable:
         dead = self._take(self.engine.receive(timeout_s))
         with self.lock:
             is_behind = self.delivery.is_behind(time.monotonic(), BEHIND_S)
-        may_wait = self._may_wait if is_behind else (lambda stub_id, responses: False)
+        may_wait = self._may_wait if is_behind else (lambda stub_id: False)
         slice_end_s = time.monotonic() + SEND_SLICE_S
         while dead is None and time.monotonic() < slice_end_s:
             row = self.outbox.pop_next(may_wait)
             if row is None:
                 break
-            for response in merge(row[1]):
+            for response in row[1]:
                 self._deliver(row[0], response)
             with self.timings.timed("take"):
                 dead = self._take(self.engine.receive(0))
             self.run_posted()
         if dead is not None:
             for stub_id, responses in self.outbox.pop_all():
-                for response in merge(responses):
+                for response in responses:
                     self._deliver(stub_id, response)
             self.dead_message = dead
             self.fail_all(dead, INTERNAL)
@@ -286,6 +258,10 @@ class RequestTable:
                         pending = self.by_stub_id.get(stub_id)
                         if pending is not None:
                             self.outbox.put(stub_id, response, not pending.rows[stub_id].has_sent)
+                    for stub_id, *token in (event[3] if len(event) > 3 else ()):
+                        pending = self.by_stub_id.get(stub_id)
+                        if pending is not None:
+                            self.outbox.put_token(stub_id, *token, not pending.rows[stub_id].has_sent)
                 if event[2] is not None:
                     self.latest_stats = event[2]
             elif event[0] == "rejected":
@@ -294,7 +270,7 @@ class RequestTable:
                 dead = event[1]
         return dead
 
-    def _may_wait(self, stub_id: int, responses: list[Response]) -> bool:
+    def _may_wait(self, stub_id: int) -> bool:
         """The detokenizer is behind: may this row's new tokens wait here, merged?"""
         with self.lock:
             pending = self.by_stub_id.get(stub_id)

@@ -9,7 +9,8 @@ from inflight.executor.stats import IterationStats
 from inflight.executor.types import (FinishReason, GuidedDecodingParams, Request, RequestPerfMetrics,
                                      Response, Result)
 from inflight.serving import convert, wire
-from inflight.serving.request_table import RequestTable, merge
+from inflight.serving.outbox import merge
+from inflight.serving.request_table import RequestTable
 
 STREAM = convert.RequestOptions(streaming=True, return_log_probs=True)
 

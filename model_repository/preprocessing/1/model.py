@@ -65,37 +65,41 @@ class TritonPythonModel:
     def finalize(self):
         lifeline.skip_teardown_at_exit()
 
-    def _input(self, request, name):
-        return pb_utils.get_input_tensor_by_name(request, PREPROCESSING.input(name).name)
-
     def _process(self, request) -> dict:
+        # One pass over the inputs: pb_utils.get_input_tensor_by_name walks them once per name
+        # asked (15 names here).
+        given = {tensor.name(): tensor for tensor in request.inputs()}
+
+        def find(name):
+            return given.get(PREPROCESSING.input(name).name)
+
         for name, reason in _UNSUPPORTED.items():
-            tensor = self._input(request, name)
+            tensor = find(name)
             values = tensor.as_numpy() if tensor is not None else np.zeros(0)
             # Empty strings are what clients send for "none" (NVIDIA's scripts do).
             if values.size and (values.dtype != np.object_ or any(len(v) for v in values.reshape(-1))):
                 raise InputError(reason)
-        queries = self._input(request, "QUERY").as_numpy().reshape(-1)
+        queries = find("QUERY").as_numpy().reshape(-1)
         batch = len(queries)
-        max_tokens = self._input(request, "REQUEST_OUTPUT_LEN").as_numpy().reshape(batch, -1)
+        max_tokens = find("REQUEST_OUTPUT_LEN").as_numpy().reshape(batch, -1)
         if (max_tokens <= 0).any():
             raise InputError(f"max_tokens must be > 0, got {int(max_tokens.min())}")
-        chat = self._input(request, "APPLY_CHAT_TEMPLATE")
+        chat = find("APPLY_CHAT_TEMPLATE")
         chat = bool(chat.as_numpy().reshape(-1)[0]) if chat is not None else False
-        special = self._input(request, "ADD_SPECIAL_TOKENS")
+        special = find("ADD_SPECIAL_TOKENS")
         special = bool(special.as_numpy().reshape(-1)[0]) if special is not None else None
         ids = [self.tokenizer.encode(decode_query(q), apply_chat_template=chat, add_special_tokens=special)
                for q in queries]
 
-        end_id = self._scalar_or(request, "END_ID", self.tokenizer.end_id, batch)
-        pad_id = self._scalar_or(request, "PAD_ID", self.tokenizer.pad_id, batch)
+        end_id = self._scalar_or(find, "END_ID", self.tokenizer.end_id, batch)
+        pad_id = self._scalar_or(find, "PAD_ID", self.tokenizer.pad_id, batch)
         width = max(len(row) for row in ids)
         input_id = np.full((batch, width), pad_id[0, 0], dtype=np.int32)
         for b, row in enumerate(ids):
             input_id[b, :len(row)] = row
 
-        bias_words = _strings(self._input(request, "EMBEDDING_BIAS_WORDS"))
-        bias_weights = self._input(request, "EMBEDDING_BIAS_WEIGHTS")
+        bias_words = _strings(find("EMBEDDING_BIAS_WORDS"))
+        bias_weights = find("EMBEDDING_BIAS_WEIGHTS")
         bias_weights = bias_weights.as_numpy().reshape(batch, -1) if bias_weights is not None else None
         biases = [self.tokenizer.embedding_bias(
                       bias_words[b] if b < len(bias_words) else [],
@@ -111,28 +115,28 @@ class TritonPythonModel:
             "REQUEST_INPUT_LEN": np.asarray([[len(row)] for row in ids], dtype=np.int32),
             "DECODER_INPUT_ID": pad_id.copy(),
             "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), dtype=np.int32),
-            "BAD_WORDS_IDS": self._words(request, "BAD_WORDS_DICT", batch),
-            "STOP_WORDS_IDS": self._words(request, "STOP_WORDS_DICT", batch),
+            "BAD_WORDS_IDS": self._words(find, "BAD_WORDS_DICT", batch),
+            "STOP_WORDS_IDS": self._words(find, "STOP_WORDS_DICT", batch),
             "EMBEDDING_BIAS": embedding_bias,
             "REQUEST_OUTPUT_LEN": max_tokens.astype(np.int32),
             "OUT_END_ID": end_id,
             "OUT_PAD_ID": pad_id,
         }
-        extra_id = self._input(request, "PROMPT_TABLE_EXTRA_ID")
+        extra_id = find("PROMPT_TABLE_EXTRA_ID")
         if extra_id is not None:  # NVIDIA's: the id repeated for every prompt token
             extra = extra_id.as_numpy().reshape(batch, 1).astype(np.uint64)
             outputs["OUT_PROMPT_TABLE_EXTRA_IDS"] = np.repeat(extra, width, axis=1)
         return outputs
 
-    def _scalar_or(self, request, name, default, batch) -> np.ndarray:
-        tensor = self._input(request, name)
+    def _scalar_or(self, find, name, default, batch) -> np.ndarray:
+        tensor = find(name)
         if tensor is None:
             if default is None:
                 raise InputError(f"{name} is required: the tokenizer defines no default")
             return np.full((batch, 1), default, dtype=np.int32)
         return tensor.as_numpy().reshape(batch, 1).astype(np.int32)
 
-    def _words(self, request, name, batch) -> np.ndarray:
-        rows = _strings(self._input(request, name))
+    def _words(self, find, name, batch) -> np.ndarray:
+        rows = _strings(find(name))
         rows = rows + [[]] * (batch - len(rows))
         return self.tokenizer.word_list(rows)

@@ -96,6 +96,9 @@ def measure(args, server, params, texts, ids, work_dir: Path, binary: str, deadl
                 continue
             num = max(c * args.rounds, MIN_REQUESTS)
             levels.append(serving_load.run_in_process(engine, ids, c, num, args.output_tokens))
+            if args.stagger:
+                levels.append(serving_load.run_in_process(engine, ids, c, num, args.output_tokens,
+                                                          stagger=True))
             paths = [(True, "Triton streaming")] + ([] if args.skip_non_streaming
                                                     else [(False, "Triton non-streaming")])
             for stream, name in paths:
@@ -104,7 +107,7 @@ def measure(args, server, params, texts, ids, work_dir: Path, binary: str, deadl
                     binary, server.grpc_url, inputs[stream], c, max(num // 3, 1),
                     args.output_tokens, name, work_dir))
                 print_stats_delta(f"c={c} {name}", before, model_stats(server.http_url))
-            report(levels[-1 - len(paths):])
+            report(levels[-1 - len(paths) - args.stagger:])
     finally:
         free_engine(engine)
     return levels
@@ -140,6 +143,7 @@ def print_stats_delta(label: str, before: dict, after: dict) -> None:
 
 def report(levels: list) -> None:
     base = {lv.concurrency: lv for lv in levels if lv.path == "in process"}
+    staggered = {lv.concurrency: lv for lv in levels if lv.path == "in process, staggered"}
     for lv in levels:
         ref = base.get(lv.concurrency)
         ratio = ""
@@ -148,6 +152,10 @@ def report(levels: list) -> None:
             if "non-streaming" not in lv.path:
                 ratio += (f"  TTFT {lv.ttft_p50_ms - ref.ttft_p50_ms:+7.1f} ms"
                           f"  ITL {lv.itl_p50_ms / ref.itl_p50_ms:5.3f}x")
+            spread = staggered.get(lv.concurrency)
+            if lv.path == "Triton streaming" and spread is not None:
+                ratio += (f"  | vs staggered: tok/s {lv.tok_per_s / spread.tok_per_s:5.3f}x"
+                          f"  ITL {lv.itl_p50_ms / spread.itl_p50_ms:5.3f}x")
         latency = ("" if "non-streaming" in lv.path else
                    f"  TTFT p50 {lv.ttft_p50_ms:8.1f} ms  ITL p50 {lv.itl_p50_ms:7.2f} ms")
         print(f"  c={lv.concurrency:<4} {lv.path:<21} {lv.num_requests:>4} req  "
@@ -174,6 +182,12 @@ def verdicts(levels: list, targets: dict) -> list[str]:
             delta = streaming[c].ttft_p50_ms - base[c].ttft_p50_ms
             lines.append(f"c={c} streaming TTFT p50 {delta:+.1f} ms vs in process (target <= +5 ms): "
                          f"{'MET' if delta <= 5.0 else 'MISSED'}")
+    spread = {lv.concurrency: lv for lv in levels if lv.path == "in process, staggered"}
+    for c in targets.get("tok_s", ()):
+        if c in streaming and c in spread:
+            lines.append(f"c={c} streaming tok/s {streaming[c].tok_per_s / spread[c].tok_per_s:.3f}x, ITL p50 "
+                         f"{streaming[c].itl_p50_ms / spread[c].itl_p50_ms:.3f}x of in process with "
+                         f"staggered arrivals (for reference)")
     return lines or ["no target level was measured"]
 
 
@@ -190,6 +204,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--perf-analyzer", help="the binary (default: tools/perf_analyzer_env.py's)")
     parser.add_argument("--skip-non-streaming", action="store_true")
+    parser.add_argument("--stagger", action="store_true",
+                        help="also run in process with arrivals spread as a server sees them "
+                             "(serving_load.run_in_process); Triton streaming is compared to it too")
     parser.add_argument("--set", default="", help="more repository values, k1:v1,k2:v2")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new level after this many seconds (the run's own clock)")

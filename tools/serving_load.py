@@ -70,15 +70,24 @@ def _request(prompt: list[int], num_tokens: int) -> Request:
 
 
 def run_in_process(engine, prompts: list[list[int]], concurrency: int, num_requests: int,
-                   num_tokens: int) -> Level:
-    """Drive the engine directly (public calls only), `concurrency` requests in flight."""
-    level = Level("in process", concurrency, num_requests)
+                   num_tokens: int, stagger: bool = False) -> Level:
+    """Drive the engine directly (public calls only), `concurrency` requests in flight.
+
+    Identical requests started together stay in lockstep: every step a pure decode of all of
+    them. Through a server they arrive spread out, so most steps also prefill a newcomer.
+    `stagger` admits the first `concurrency` requests one per engine step, which spreads them
+    over the first steps of their lives and keeps them spread (closed loop), as served."""
+    level = Level("in process, staggered" if stagger else "in process", concurrency, num_requests)
     queue = [prompts[i % len(prompts)] for i in range(num_requests)]
     live: dict[int, list[float]] = {}  # request id -> [submit, first token, last token]
+    num_admitted = 0
     start = time.perf_counter()
     while queue or live:
         while queue and len(live) < concurrency:
             live[engine.add_request(_request(queue.pop(0), num_tokens))] = [time.perf_counter()]
+            num_admitted += 1
+            if stagger and num_admitted <= concurrency:
+                break
         responses = engine.step()
         now = time.perf_counter()
         for response in responses:

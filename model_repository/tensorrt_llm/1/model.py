@@ -20,7 +20,6 @@ the detokenizer's cancel relay and acknowledgements, or the launcher's drain.
 import functools
 import json
 import os
-import sys
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -96,8 +95,6 @@ class TritonPythonModel:
         self.metrics = metrics.TritonMetrics(pb_utils, args["model_name"], args["model_version"],
                                              pb_utils.Logger.log_warn)
         self.timings = Timings.from_env()
-        if os.environ.get("INFLIGHT_SWITCH_INTERVAL_S"):  # an experiment: the responder's GIL waits
-            sys.setswitchinterval(float(os.environ["INFLIGHT_SWITCH_INTERVAL_S"]))
         self.table = RequestTable(engine, Sink(), self.metrics.observe, self.timings)
         self.published_stats = None
         self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)

@@ -47,7 +47,24 @@ def step_kinds(worker) -> list[list[tuple[int, int]]]:
         mixed.append((6, 1))  # a decode row
     kinds.append(mixed)
     kinds += [[(length - 1, 1)] for length in _decode_lengths(worker)]
-    return kinds
+    return [part for kind in kinds for part in _within_limits(kind, worker.max_batch_size,
+                                                              worker.max_num_tokens)]
+
+
+def _within_limits(kind: list[tuple[int, int]], max_rows: int,
+                   max_tokens: int) -> list[list[tuple[int, int]]]:
+    """`kind` as consecutive steps that each fit the engine's own limits (its buffers are sized
+    by them: a bigger step fails at start-up), so a small engine still meets every row type; a
+    row longer than the token budget is cut to it."""
+    steps, rows, tokens = [], [], 0
+    for start, num_new in kind:
+        num_new = min(num_new, max_tokens)
+        if rows and (len(rows) == max_rows or tokens + num_new > max_tokens):
+            steps.append(rows)
+            rows, tokens = [], 0
+        rows.append((start, num_new))
+        tokens += num_new
+    return steps + [rows]
 
 
 def _decode_lengths(worker) -> list[int]:

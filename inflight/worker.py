@@ -141,6 +141,7 @@ class Worker:
         self.cuda_graph_mode = uses_cuda_graphs(
             perf.cuda_graph_mode, self.device, attention_backend_class(backend_name).supports_cuda_graphs)
         self.overlap = overlaps_steps(config.enable_overlap_scheduler, self.device)
+        self.max_batch_size = config.max_batch_size
         self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
             self.device, config.enable_chunked_context)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -74,3 +74,18 @@ def test_precompile_covers_every_variant_of_a_mixed_workload(tmp_path, monkeypat
     assert serving.keys, "the workload launched no kernel"
     missing = serving.keys - start_up.keys
     assert not missing, f"variants first asked for while serving: {sorted(k for k, _ in missing)}"
+
+
+@pytest.mark.parametrize("max_rows, max_tokens", [(1, 64), (2, 64), (4, 6), (64, 3)])
+def test_step_kinds_fit_the_engines_own_limits(max_rows, max_tokens):
+    """A step bigger than max_num_sequences or max_num_tokens overflows the worker's buffers:
+    precompile once failed at start-up on a GPU for max_num_sequences 1 (its mixed step had 4
+    rows). Every row type must still be met, in smaller steps."""
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(block_size=4, max_seq_len=96, backend=None,
+                             max_batch_size=max_rows, max_num_tokens=max_tokens)
+    kinds = step_kinds(worker)
+    assert all(0 < len(kind) <= max_rows and sum(n for _, n in kind) <= max_tokens for kind in kinds)
+    starts = {start for kind in kinds for start, _ in kind}
+    assert starts >= {0, 4, 6}  # prefill rows, a chunk after cached tokens, a decode row

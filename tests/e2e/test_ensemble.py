@@ -113,6 +113,63 @@ def test_stop_words_end_generation(server):
     assert stopped.endswith(" 7") and len(stopped) < len(free)
 
 
+def test_bad_words_and_embedding_bias_steer_generation(server):
+    """Word lists and a bias reach the engine through the ensemble and the BLS model
+    (preprocessing sends them to the engine only when they hold something)."""
+    values = {"text_input": "Count: 1, 2, 3, 4, 5,", "max_tokens": 12, "stream": False,
+              "exclude_input_in_output": True}
+    free = server.stream(values).text
+    assert free.startswith(" 6")
+    banned = ({"bad_words": [" 6"]},
+              {"embedding_bias_words": [" 6"], "embedding_bias_weights": np.array([[-np.inf]], np.float32)})
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        for extra in banned:
+            result = server.stream({**values, **extra}, model=model)
+            assert result.error is None, (model, extra, result.error)
+            assert " 6" not in result.text, (model, extra, result.text)
+
+
+def test_a_plain_request_ends_without_the_outputs_it_does_not_need(server):
+    """preprocessing answers the pipeline without word lists, bias or decoder inputs
+    (preprocessing.step_outputs): each request still ends, streamed or not, over gRPC and HTTP,
+    with the same text, and leaves nothing in the engine. A direct call gets every output."""
+    import tritonclient.http as httpclient
+
+    from ensemble.io_contract import PREPROCESSING_TO_ENGINE
+
+    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
+    try:
+        query = [httpclient.InferInput("QUERY", [1, 1], "BYTES"),
+                 httpclient.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32")]
+        query[0].set_data_from_numpy(np.array([[b"Hello"]], dtype=object))
+        query[1].set_data_from_numpy(np.array([[4]], np.int32))
+        every = client.infer("preprocessing", query).get_response()["outputs"]
+        asked = [httpclient.InferRequestedOutput(name) for name in PREPROCESSING_TO_ENGINE]
+        short = client.infer("preprocessing", query, outputs=asked).get_response()["outputs"]
+    finally:
+        client.close()  # an open HTTP connection would hold up the server's exit
+    # NVIDIA's full answer (no prompt table id was sent; the multimodal outputs are never sent).
+    assert {o["name"] for o in every} == set(PREPROCESSING_TO_ENGINE) - {"OUT_PROMPT_TABLE_EXTRA_IDS"}
+    assert {o["name"] for o in short} == {"INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID",
+                                          "OUT_PAD_ID"}
+
+    values = {"text_input": "The three most important inventions are", "max_tokens": 8,
+              "exclude_input_in_output": True}
+    texts = []
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        for stream in (False, True):
+            result = server.stream({**values, "stream": stream}, model=model)
+            assert result.error is None, (model, stream, result.error)
+            texts.append(result.text)
+    [single] = server.http_generate(values)
+    events = server.http_generate({**values, "stream": True}, stream=True)
+    texts += [single["text_output"], "".join(e["text_output"] for e in events)]
+    assert texts[0] and texts == [texts[0]] * len(texts)
+    metrics = server.wait_idle(timeout_s=10)
+    assert metrics[("nv_trt_llm_request_metrics", "active")] == 0, metrics
+    assert metrics[("nv_trt_llm_kv_cache_block_metrics", "used")] == 0, metrics
+
+
 def test_http_generate_and_generate_stream(server):
     body = {"text_input": "What is the capital of France?", "max_tokens": 24, **CHAT}
     [single] = server.http_generate(body)

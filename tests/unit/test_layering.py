@@ -21,7 +21,7 @@ TORCH_FREE = [
     "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",
     "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
     "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
-    "ensemble.errors", "preprocessing", "postprocessing",
+    "ensemble.errors", "preprocessing", "preprocessing.step_outputs", "postprocessing",
 ]
 HEAVY = ["torch", "transformers", "tokenizers", "safetensors", "tritonclient"]
 

@@ -3,7 +3,8 @@
 Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE
 and ADD_SPECIAL_TOKENS). As NVIDIA's, it answers DECODER_INPUT_ID `[pad_id]` when no
 DECODER_QUERY is given (the engine model ignores it for a decoder-only model); multimodal and
-decoder inputs are refused, since the served model is a text-only decoder.
+decoder inputs are refused, since the served model is a text-only decoder. The ensemble's step
+and the BLS model get only the outputs that carry something (`preprocessing.step_outputs`).
 Parameters: tokenizer_dir (required), add_special_tokens (default true), trust_remote_code
 (default false). A bad request gets its own error; the rest of the dynamic batch carries on.
 """
@@ -16,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 from ensemble import lifeline, params
 from ensemble.errors import InputError
 from ensemble.io_contract import PREPROCESSING
+from preprocessing import step_outputs
 from preprocessing.tokenizer import TextTokenizer, decode_query
 
 # Inputs of models this repository does not serve: refused by name when they hold anything.
@@ -51,6 +53,8 @@ class TritonPythonModel:
         for request in requests:
             try:
                 outputs = self._process(request)
+                if step_outputs.is_pipeline_request(request.requested_output_names()):
+                    outputs = step_outputs.pipeline_outputs(outputs)
                 responses.append(pb_utils.InferenceResponse(
                     [pb_utils.Tensor(name, value) for name, value in outputs.items()]))
             except InputError as exc:

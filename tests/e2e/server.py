@@ -219,14 +219,17 @@ def collect(results: queue.Queue, timeout_s: float = 120) -> StreamResult:
 
 @contextlib.contextmanager
 def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None = None,
-                   triton_args: tuple[str, ...] = (), **build_values):
+                   triton_args: tuple[str, ...] = (), prepare=None, **build_values):
     """Build a repository for `model_dir` under `work_dir` and serve it until the block ends
-    (`triton_args`: more tritonserver flags, e.g. a trace configuration)."""
+    (`triton_args`: more tritonserver flags, e.g. a trace configuration; `prepare`: called with
+    the built repository's path before the server starts)."""
     args = build_repository.parse_args(["--model", str(model_dir), "--out", str(work_dir / "repo"),
                                         "--force"])
     values = build_repository.values_from_args(args)
     values.update({k: str(v) for k, v in build_values.items()})
     build_repository.build(work_dir / "repo", values, force=True)
+    if prepare is not None:
+        prepare(work_dir / "repo")
     http_port, grpc_port, metrics_port = free_ports(3)
     log_file = work_dir / "server.log"
     launch_args = launch_triton_server.parse_args([

@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
-	test-numerics bench bench-serving bench-openai response-cost reliability gpu-smoke nvidia-clients clean
+	test-numerics bench bench-serving bench-openai response-cost preprocessing-cost reliability gpu-smoke nvidia-clients clean
 
 setup: $(VENV)/.installed
 
@@ -99,6 +99,11 @@ bench-serving: model
 RESPONSE_COST_ARGS ?=
 response-cost: model
 	$(PY) tools/response_cost.py $(RESPONSE_COST_ARGS)
+
+# The preprocessing step's cost per request at concurrency 1: this checkout vs its model.py at a git
+# ref, main by default (tools/preprocessing_cost.py). E.g. PREPROCESSING_COST_ARGS="--ref HEAD~1"
+preprocessing-cost: model
+	$(PY) tools/preprocessing_cost.py $(PREPROCESSING_COST_ARGS)
 
 bench-openai: model
 	$(PY) tools/bench_openai.py --model $(MODEL)

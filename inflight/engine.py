@@ -105,6 +105,9 @@ class LLMEngine:
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self._num_host_token_requests = 0
         self._num_beam_requests = 0  # live beam search requests (their rows are built per beam)
+        # Set by the engine process: `step()` may then return a streamed chunk of one token as
+        # a tuple (RequestState.stream_chunk) rather than a Response.
+        self.compact_stream_chunks = False
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -329,7 +332,7 @@ class LLMEngine:
             if state.finish_reason is not not_finished:
                 responses.append(self._finish(state))
             elif state.request.streaming:
-                responses.append(state.response(is_final=False))
+                responses.append(state.stream_chunk(self.compact_stream_chunks))
         return responses
 
     @staticmethod

@@ -112,6 +112,16 @@ class LLMEngine:
     def num_completed_requests(self) -> int:
         return self.live.num_completed_requests
 
+    @property
+    def compact_stream_chunks(self) -> bool:
+        """Set by the engine process: `step()` may then return a streamed chunk of one token as
+        a tuple (RequestState.stream_chunk) rather than a Response."""
+        return self.updater.compact_stream_chunks
+
+    @compact_stream_chunks.setter
+    def compact_stream_chunks(self, compact: bool) -> None:
+        self.updater.compact_stream_chunks = compact
+
     # ----- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> int:

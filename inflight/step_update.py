@@ -44,6 +44,8 @@ class StepUpdate:
         self.block_manager = block_manager
         self.worker = worker
         self.vocab_size = vocab_size
+        # Streamed one-token chunks as tuples rather than Responses (`LLMEngine.compact_stream_chunks`).
+        self.compact_stream_chunks = False
 
     def apply(self, flight: InFlight) -> list[Response]:
         """Reads the step's tokens (waiting for its copy to the host) and turns them into
@@ -62,7 +64,7 @@ class StepUpdate:
         responses = []
         live, not_finished = self.live.requests, FinishReason.NOT_FINISHED
         vocab_size, errors = self.vocab_size, output.errors
-        fail_request = self.live.fail_request
+        fail_request, compact = self.live.fail_request, self.compact_stream_chunks
         for row, (state, token, log_prob) in enumerate(zip(flight.states, output.token_ids,
                                                             output.log_probs)):
             logits = None
@@ -90,7 +92,7 @@ class StepUpdate:
             if state.finish_reason is not not_finished:
                 responses.append(self.live.finish(state))
             elif state.request.streaming:
-                responses.append(state.response(is_final=False))
+                responses.append(state.stream_chunk(compact))
         return responses
 
     def _advance_beams(self, state: BeamRequestState, candidates) -> list[Response]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -44,27 +43,16 @@ from inflight.core.scheduler import Scheduler
 from inflight.executor.config import ExecutorConfig
 from inflight.executor.stats import IterationStats, iteration_stats
 from inflight.executor.types import FinishReason, Request, Response
-from inflight.beam_state import BeamRequestState
 from inflight.fatal_errors import as_fatal, breaks_device
+from inflight.live_requests import LiveRequests
 from inflight.platform import default_max_num_tokens
 from inflight.request_intake import RequestIntake
 from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
-from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
-from inflight.sampling.token_mask import GuideViolation
+from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.step_update import InFlight, StepUpdate
 from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose sampled tokens the host has not read yet."""
-
-    batch: SchedulerOutput
-    states: list[RequestState]  # the sampled rows' requests, in row order
-    sample: DeviceSample | SamplerOutput
-    # Requests whose prompt logits the step computes, with how many (the worker's spans' order).
-    context_owners: list[tuple[RequestState, int]] | None = None
 
 
 class LLMEngine:
@@ -85,26 +73,14 @@ class LLMEngine:
                                    self.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context)
-        self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
-        self.groups: dict[int, RequestGroup] = {}  # num_return_sequences > 1, by request id
-        # Requests whose step-time outputs are still due: perf metrics before their first step,
-        # prompt logits before their prompt is computed. Empty for requests asking for neither,
-        # so a step looks at its rows for them only while such a request is pending.
-        self._awaiting_schedule: set[RequestState] = set()
-        self._awaiting_context: set[RequestState] = set()
-        self._num_generation_logit_requests = 0  # live ones: rows are looked at only when > 0
-        self._groups_waiting: set[RequestGroup] = set()  # sequences wait for the first's prompt
+        self.live = LiveRequests(self.scheduler)
+        self.updater = StepUpdate(self.live, self.block_manager, worker, self.model_config.vocab_size)
         self._next_request_id = 1
         self.iteration = 0
-        self.num_completed_requests = 0
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self.intake = RequestIntake(config, worker, self.scheduler)
-        # Live requests whose sampling reads their tokens on the host (they make steps
-        # synchronous, and only they can have logits processors): a count, not a scan per step.
-        self._num_host_token_requests = 0
-        self._num_beam_requests = 0  # live beam search requests (their rows are built per beam)
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -121,6 +97,30 @@ class LLMEngine:
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+
+    @property
+    def requests(self) -> dict[int, RequestState]:
+        """The live sequences by `RequestState.key` (see `LiveRequests`)."""
+        return self.live.requests
+
+    @property
+    def groups(self) -> dict[int, RequestGroup]:
+        """Live requests of several sequences (num_return_sequences > 1), by request id."""
+        return self.live.groups
+
+    @property
+    def num_completed_requests(self) -> int:
+        return self.live.num_completed_requests
+
+    @property
+    def compact_stream_chunks(self) -> bool:
+        """Set by the engine process: `step()` may then return a streamed chunk of one token as
+        a tuple (RequestState.stream_chunk) rather than a Response."""
+        return self.updater.compact_stream_chunks
+
+    @compact_stream_chunks.setter
+    def compact_stream_chunks(self, compact: bool) -> None:
+        self.updater.compact_stream_chunks = compact
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -153,52 +153,12 @@ class LLMEngine:
 
     def admit(self, state: RequestState, first: bool = False) -> None:
         """Queue a sequence (`first`: at the head of the queue)."""
-        self.requests[state.key] = state
-        self._num_host_token_requests += state.needs_host_tokens
-        self._num_beam_requests += state.is_beam
-        self._num_generation_logit_requests += state.request.output_config.return_generation_logits
-        if state.request.output_config.return_perf_metrics:
-            self._awaiting_schedule.add(state)
-        if state.outputs.want_context_logits:
-            self._awaiting_context.add(state)
-        self.scheduler.add(state.seq, first)
-        if state.group is not None:
-            self.groups[state.request_id] = state.group
-            if state.group.waiting:
-                self._groups_waiting.add(state.group)
-
-    def _admit_others(self, group: RequestGroup) -> None:
-        """The first sequence's prompt is computed: queue the others first, so they share its
-        prompt blocks while it holds them."""
-        self._groups_waiting.discard(group)
-        for state in reversed(group.take_waiting()):
-            self.admit(state, first=True)
-
-    def _forget(self, state: RequestState) -> None:
-        """Drop a sequence that is done (finished, cancelled or failed) from the live set."""
-        if self.requests.pop(state.key, None) is not None:
-            self._num_host_token_requests -= state.needs_host_tokens
-            self._num_beam_requests -= state.is_beam
-            self._num_generation_logit_requests -= state.request.output_config.return_generation_logits
-            self._awaiting_schedule.discard(state)
-            self._awaiting_context.discard(state)
+        self.live.admit(state, first)
 
     def cancel(self, request_id: int) -> Response | None:
         """Stop a request (every sequence of it) now; returns its final (cancelled) response,
         or None if unknown."""
-        group = self.groups.get(request_id)
-        if group is not None:
-            states = [s for s in group.members if self.requests.get(s.key) is s or s in group.waiting]
-            group.waiting.clear()
-            self._groups_waiting.discard(group)
-        else:
-            state = self.requests.get(request_id)  # a request id, not another sequence's key
-            states = [state] if state is not None and state.request_id == request_id else []
-        response = None
-        for state in states:
-            state.finish_reason = FinishReason.CANCELLED
-            response = self._finish(state)
-        return response
+        return self.live.cancel(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -214,198 +174,97 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
-        requests = self.requests
+        requests = self.live.requests
         states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
         spans = context_owners = None
-        if self._awaiting_schedule or self._awaiting_context:
+        if self.live.awaiting_schedule or self.live.awaiting_context:
             spans, context_owners = self._watch(batch)
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(batch)
-            rows = [st.sampling_row for st in states]
-            if self._num_beam_requests:  # a beam's row depends on which beam it is
-                rows = self._with_beam_rows(batch, states, rows)
-            if self._num_host_token_requests:  # only such requests can have logits processors
-                args = (rows, [st.request.logits_processor for st in states],
-                        [st.request_id for st in states])
-            else:
-                args = (rows, None, None)
-            # Only a step with logits to keep passes them (stand-in workers need not know).
-            kwargs = {"context_logits": spans} if spans else {}
-            if self._num_generation_logit_requests:
-                keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
-                if keep:
-                    kwargs["generation_logits"] = keep
-            sample = (self.worker.launch(batch, *args, **kwargs) if overlap
-                      else self.worker.execute(batch, *args, **kwargs))
+            sample = self._execute(batch, states, spans, overlap)
         except Exception as exc:  # a failed step fails its requests, not the engine
             if breaks_device(exc):
                 raise as_fatal(exc) from exc
             logger.exception("engine step %d failed", self.iteration)
             responses += self._drain()  # the previous step's tokens are still good
-            return responses + self._fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
+            return responses + self.live.fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses += self._drain()  # step N-1's tokens, while the device computes this one
+        self._advance(batch, states)
+        self._in_flight = InFlight(batch, states, sample, context_owners)
+        if not overlap:
+            responses += self._drain()
+        self._record_stats(batch, time.perf_counter() - start)
+        return responses
+
+    def _execute(self, batch: SchedulerOutput, states: list[RequestState], spans: list | None,
+                 overlap: bool) -> DeviceSample | SamplerOutput:
+        """Hands the step to the worker (queued only, when `overlap`), with the rows of
+        `states` (the sampled rows' requests) and the prompt logits `spans` to keep; returns
+        its sample. Raises what the step raised."""
+        live = self.live
+        if self.fault_hook is not None:
+            self.fault_hook(batch)
+        rows = [st.sampling_row for st in states]
+        if live.num_beam_requests:  # a beam's row depends on which beam it is
+            rows = self._with_beam_rows(batch, states, rows)
+        if live.num_host_token_requests:  # only such requests can have logits processors
+            args = (rows, [st.request.logits_processor for st in states], [st.request_id for st in states])
+        else:
+            args = (rows, None, None)
+        # Only a step with logits to keep passes them (stand-in workers need not know).
+        kwargs = {"context_logits": spans} if spans else {}
+        if live.num_generation_logit_requests:
+            keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
+            if keep:
+                kwargs["generation_logits"] = keep
+        return (self.worker.launch(batch, *args, **kwargs) if overlap
+                else self.worker.execute(batch, *args, **kwargs))
+
+    def _advance(self, batch: SchedulerOutput, states: list[RequestState]) -> None:
+        """The scheduler moves over the launched step; its sampled rows get their placeholders."""
         self.scheduler.update(batch)
         for i, state in enumerate(states):
             # state.add_placeholder(i), inlined; beams get theirs from their re-ranking instead
             if state.finish_reason is FinishReason.NOT_FINISHED and not state.is_beam:
                 state.seq.token_ids.append(PLACEHOLDER_BASE - i)
-        if self._groups_waiting:  # a first sequence sampled: its prompt is computed
+        groups_waiting = self.live.groups_waiting
+        if groups_waiting:  # a first sequence sampled: its prompt is computed
             for state in states:
-                if state.group in self._groups_waiting:
-                    self._admit_others(state.group)
-        self._in_flight = _InFlight(batch, states, sample, context_owners)
-        if not overlap:
-            responses += self._drain()
-        self._record_stats(batch, time.perf_counter() - start)
-        return responses
+                if state.group in groups_waiting:
+                    self.live.admit_others(state.group)
 
     def _watch(self, batch: SchedulerOutput) -> tuple[list, list]:
         """Stamps first steps (perf metrics) and returns the worker's `context_logits` spans
         for this step, with whose they are. Runs only while a request awaits either."""
         now_ns = time.time_ns()
         spans, owners = [], []
+        awaiting_schedule, awaiting_context = self.live.awaiting_schedule, self.live.awaiting_context
         for row, item in enumerate(batch.scheduled):
-            state = self.requests[item.seq.request_id]
-            if state in self._awaiting_schedule:
+            state = self.live.requests[item.seq.request_id]
+            if state in awaiting_schedule:
                 state.outputs.first_scheduled_time_ns = now_ns
-                self._awaiting_schedule.discard(state)
-            if state in self._awaiting_context:
+                awaiting_schedule.discard(state)
+            if state in awaiting_context:
                 span = state.outputs.context_span(item.start_position, item.num_new_tokens)
                 if span is not None:
                     spans.append((row, *span))
                     owners.append((state, span[1]))
                 if not state.outputs.needs_context_logits:
-                    self._awaiting_context.discard(state)
+                    awaiting_context.discard(state)
         return spans, owners
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        return getattr(self.worker, "overlap", False) and not self._num_host_token_requests
+        return getattr(self.worker, "overlap", False) and not self.live.num_host_token_requests
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""
         flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return []
-        try:
-            output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
-        except Exception as exc:  # the device step failed after it was queued
-            if breaks_device(exc):
-                raise as_fatal(exc) from exc
-            logger.exception("engine step failed while its tokens were read")
-            return self._fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
-        if flight.context_owners:
-            self._take_context_logits(flight.context_owners, output.context_logits)
-        # Rows of the sampled rows that asked for their logits, in order (None: none asked).
-        logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
-        responses = []
-        live, not_finished = self.requests, FinishReason.NOT_FINISHED
-        vocab_size, errors = self.model_config.vocab_size, output.errors
-        for row, (state, token, log_prob) in enumerate(zip(flight.states, output.token_ids,
-                                                            output.log_probs)):
-            logits = None
-            if logit_rows is not None and state.outputs.config.return_generation_logits:
-                logits = next(logit_rows)
-            if live.get(state.key) is not state:
-                continue  # finished (cancelled, failed, stopped) since the step was launched
-            if state.is_beam:  # one update per beam group, from its candidates
-                if state.request_id in output.beams:
-                    responses += self._advance_beams(state, output.beams.pop(state.request_id))
-                continue
-            if errors or not 0 <= token < vocab_size:  # its sampling broke: it fails alone
-                reason = self._bad_token(row, token, output, state)
-                if reason:
-                    responses.append(self._fail_request(state, reason))
-                    continue
-            try:
-                state.accept_token(token, log_prob, logits)
-            except GuideViolation as exc:
-                responses.append(self._fail_request(state, str(exc)))
-                continue
-            except Exception as exc:  # a user StoppingCriteria raised: fail that request only
-                responses.append(self._fail_request(state, f"stopping criteria failed: {exc}"))
-                continue
-            if state.finish_reason is not not_finished:
-                responses.append(self._finish(state))
-            elif state.request.streaming:
-                responses.append(state.response(is_final=False))
-        return responses
+        return [] if flight is None else self.updater.apply(flight)
 
     @staticmethod
     def _with_beam_rows(batch: SchedulerOutput, states: list[RequestState], rows: list) -> list:
         sampled = [s.seq for s in batch.scheduled if s.is_sampled]
         return [st.beam_row(seq) if st.is_beam else row for st, seq, row in zip(states, sampled, rows)]
-
-    def _advance_beams(self, state: BeamRequestState, candidates) -> list[Response]:
-        copies = state.advance(candidates, self.block_manager)
-        if copies:  # queued before the next step, which writes the copied blocks
-            self.worker.copy_blocks(copies)
-        if state.finish_reason is not FinishReason.NOT_FINISHED:
-            return [self._finish(state)]
-        return [state.response(is_final=False)] if state.request.streaming else []
-
-    def _bad_token(self, row: int, token: int, output: SamplerOutput,
-                   state: RequestState) -> str | None:
-        """Why row `row`'s sampled token cannot be used, or None."""
-        if row in output.errors:
-            return output.errors[row]
-        if token == INVALID_TOKEN and state.request.guided_decoding_params is not None:
-            return ("guided decoding: no token the request's grammar allows has a usable logit "
-                    "(embedding_bias, bad_words or min_tokens banned them all, or the logits "
-                    "became NaN or infinite), so the output cannot follow the request's grammar")
-        if token == INVALID_TOKEN:
-            return ("sampling failed for this request: its logits became NaN or infinite, or every "
-                    "token was banned (check repetition/presence/frequency penalties, "
-                    "embedding_bias, bad_words and min_tokens)")
-        if not 0 <= token < self.model_config.vocab_size:
-            return (f"the model produced token id {token}, outside its vocabulary of "
-                    f"{self.model_config.vocab_size} tokens (a broken checkpoint?)")
-        return None
-
-    def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits) -> None:
-        start = 0
-        for state, count in owners:
-            if self.requests.get(state.key) is state:
-                state.outputs.context_logits.append(logits[start:start + count])
-            start += count
-
-    def _finish(self, state: RequestState) -> Response:
-        """Ends one sequence; its request ends with its last sequence."""
-        state.drop_placeholder()  # cancelled with a token in flight: it is never sent
-        self.scheduler.finish(state.seq)
-        self._forget(state)
-        is_final = state.is_last_open()
-        if state.group is not None:
-            state.group.num_open -= 1
-            if is_final:
-                self.groups.pop(state.request_id, None)
-        self.num_completed_requests += is_final
-        return state.response(is_final=is_final, is_sequence_final=True)
-
-    def _fail(self, batch: SchedulerOutput, message: str) -> list[Response]:
-        responses = []
-        for item in batch.scheduled:
-            state = self.requests.get(item.seq.request_id)
-            if state is None:
-                self.scheduler.finish(item.seq)
-            else:
-                responses.append(self._fail_request(state, message))
-        return responses
-
-    def _fail_request(self, state: RequestState, message: str) -> Response:
-        """Fails the whole request (every sequence of it) with one error response."""
-        group = state.group
-        for member in group.members if group is not None else [state]:
-            if self.requests.get(member.key) is member:
-                member.drop_placeholder()
-                self._forget(member)
-                self.scheduler.finish(member.seq)
-        if group is not None:
-            group.waiting.clear()
-            self._groups_waiting.discard(group)
-            self.groups.pop(state.request_id, None)
-        return Response(state.request_id, error_msg=message, client_id=state.request.client_id)
 
     # ----- statistics ----------------------------------------------------------------------
 

@@ -2,9 +2,8 @@
 
 A step is prepare inputs → run model → sample (`Worker.execute`, or `launch` + `result()`):
 - `prepare_inputs` turns the scheduler's rows into a `StepInput` with the step's one host →
-  device transfer: into the static buffers of a CUDA graph for decode steps that fit a
-  captured batch bucket and mixed steps that fit a token bucket (no prompt logits), else as
-  a `StepMetadata` from which the attention backend builds its own;
+  device transfer, staged in a CUDA graph's static buffers or as eager metadata
+  (`inflight.step_inputs`);
 - `run_model` replays the bucket's graph, or runs the forward pass and the LM head over the
   sampled rows eagerly;
 - `sample` applies logits hooks and samples on the device, then queues the copy of the
@@ -17,8 +16,8 @@ the device from `sampled_ids`, where every step leaves its sampled ids.
 
 Start-up on CUDA: load the weights, reserve the backend's buffers and the graphs' static
 inputs, run one warm-up step at the largest batch against a throw-away one-block cache, size
-the KV cache from what is free after it (`kv_cache_free_gpu_mem_fraction` of it, TensorRT-LLM's
-meaning), then capture the decode graphs, which need the real cache's addresses.
+the KV cache from what is free after it (`inflight.kv_cache_sizing`), then capture the decode
+graphs, which need the real cache's addresses.
 
 Tensor parallelism (`tensor_parallel_size` > 1): this worker is rank 0 and starts the other
 ranks (`inflight.distributed.launch`). A step is reduced to a plain `StepPlan` on the host,
@@ -30,72 +29,32 @@ steps broadcasts the sampled ids, which every rank's next step may read on its d
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch
 
-from inflight.core.outputs import ScheduledSequence, SchedulerOutput
-from inflight.core.sequence import Sequence
-from inflight.cuda_graph import CudaGraphRunner, GraphStep, MixedStep
-from inflight.fatal_errors import EngineFatalError
+from inflight.core.outputs import SchedulerOutput
+from inflight.cuda_graph import CudaGraphRunner
 from inflight.distributed.group import TensorParallel
 from inflight.distributed.launch import rank_device, start_ranks
 from inflight.executor.config import ExecutorConfig
+from inflight.fatal_errors import EngineFatalError
+from inflight.kv_cache_sizing import num_kv_blocks, peak_step_bytes, warm_up_batch
 from inflight.mixed_graph import mixed_token_buckets
-from inflight.model.attention import (AttentionLimits, StepMetadata, attention_backend_class, cdiv,
-                                      resolve_attention_backend)
+from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import check_divisible, shard_config
-from inflight.platform import (apply_cpu_threads, cuda_memory_for_kv, default_max_num_tokens,
-                               overlaps_steps, resolve_device, resolve_dtype, to_device, uses_cuda_graphs)
+from inflight.platform import (apply_cpu_threads, default_max_num_tokens, overlaps_steps, resolve_device,
+                               resolve_dtype, to_device, uses_cuda_graphs)
 from inflight.precompile import precompile
 from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
+from inflight.step_inputs import ContextSpan, LogitsHook, StepInput, inputs_from_batch, inputs_from_plan
 from inflight.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-# (request_id, token_ids so far, logits [vocab]) -> logits [vocab]
-LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]
-# (row in the batch, first of its new tokens, number of tokens): prompt positions whose logits
-# a request asked for (`return_context_logits`).
-ContextSpan = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """Everything `run_model` and `sample` need for one step; built by `prepare_inputs`.
-    Exactly one of `metadata` (eager) and `graph_step` (replayed) is set."""
-
-    metadata: StepMetadata | None  # the step's layout (backend-neutral), with its input ids
-    attn_metadata: Any  # the attention backend's metadata for this step (eager)
-    graph_step: GraphStep | MixedStep | None  # a step staged in a CUDA graph's static inputs
-    sampling_rows: list[SamplingRow]  # one per sampled row, in batch order
-    logits_hooks: list[LogitsHook | None] | None = None  # parallel to sampling_rows
-    request_ids: list[int] | None = None  # parallel to sampling_rows (the hooks' first argument)
-    context_indices: torch.Tensor | None = None  # [C] int64: tokens of the step whose logits to keep
-    generation_rows: list[int] | None = None  # sampled rows whose raw logits to keep
-
-    # Tensor-parallel ranks other than 0 have no sampling rows (they compute the logits with
-    # rank 0 but do not sample): `sampling_rows` is None and this is their count.
-    follower_num_sampled: int = 0
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.sampling_rows) if self.sampling_rows is not None else self.follower_num_sampled
-
-    @property
-    def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
-        return self.metadata.input_ids
-
-    @property
-    def positions(self) -> torch.Tensor:  # [T] int64 (eager steps)
-        return self.metadata.positions
-
-    @property
-    def logits_indices(self) -> torch.Tensor | None:  # see StepMetadata.logits_indices
-        return self.metadata.logits_indices
+__all__ = ["ContextSpan", "LogitsHook", "StepInput", "Worker"]  # the step's types, where they were
 
 
 class Worker:
@@ -251,47 +210,7 @@ class Worker:
                        context_logits: list[ContextSpan] | None = None,
                        generation_logits: list[int] | None = None) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
-        num_sampled = batch.num_sampled
-        if num_sampled != len(rows):
-            raise ValueError(f"{len(rows)} sampling rows for {num_sampled} sampled sequences")
-        if not context_logits and self._fits_graph(batch):
-            graph_step = self.graph_runner.stage_decode(batch.scheduled)
-            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
-        runner = self.graph_runner
-        if (not context_logits and runner is not None
-                and runner.mixed_bucket_for(batch.num_tokens, len(batch.scheduled)) is not None):
-            graph_step = runner.stage_mixed([
-                (s.start_position, s.seq.token_ids[s.start_position:s.context_len], s.is_sampled,
-                 s.seq.block_table) for s in batch.scheduled])
-            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits)
-        input_ids: list[int] = []
-        row_starts: list[int] = []  # each row's first token in input_ids
-        sampled_rows: list[int] = []
-        pending_dst: list[int] = []
-        pending_src: list[int] = []
-        for i, item in enumerate(batch.scheduled):
-            tokens = item.seq.token_ids[item.start_position:item.context_len]
-            if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
-                pending_dst.append(len(input_ids) + len(tokens) - 1)
-                pending_src.append(-1 - tokens[-1])
-                tokens = tokens[:-1] + [0]
-            if len(tokens) > 1 and min(tokens) < 0:
-                raise RuntimeError(f"request {item.seq.request_id}: a placeholder token before "
-                                   "its last position")
-            row_starts.append(len(input_ids))
-            input_ids.extend(tokens)
-            if item.is_sampled:
-                sampled_rows.append(i)
-        meta = StepMetadata.build(
-            [(s.start_position, s.num_new_tokens, s.seq.block_table) for s in batch.scheduled],
-            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
-            pending=(pending_dst, pending_src) if pending_dst else None)
-        context_indices = None
-        if context_logits:
-            flat = [row_starts[row] + offset + j for row, offset, count in context_logits for j in range(count)]
-            context_indices = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
-        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
-                         context_indices, generation_logits)
+        return inputs_from_batch(self, batch, rows, hooks, request_ids, context_logits, generation_logits)
 
     def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
         plan = StepPlan.from_batch(batch, self.block_size)
@@ -304,43 +223,7 @@ class Worker:
                          request_ids: list[int] | None = None,
                          generation_logits: list[int] | None = None) -> StepInput:
         """The step's device inputs from its plan: a staged CUDA graph step, or the metadata."""
-        num_sampled = plan.num_sampled
-        runner = self.graph_runner
-        if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
-            graph_step = runner.stage_plan(plan)
-            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
-                             num_sampled)
-        if (runner is not None
-                and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None):
-            graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled,
-                                                     plan.block_tables)))
-            return StepInput(None, None, graph_step, rows, hooks, request_ids, None, generation_logits,
-                             num_sampled)
-        input_ids: list[int] = []
-        pending_dst: list[int] = []
-        pending_src: list[int] = []
-        for tokens in plan.tokens:
-            if tokens[-1] < 0:  # still on the device: sampled row -(1 + t) of the previous step
-                pending_dst.append(len(input_ids) + len(tokens) - 1)
-                pending_src.append(-1 - tokens[-1])
-                tokens = tokens[:-1] + [0]
-            if len(tokens) > 1 and min(tokens) < 0:
-                raise RuntimeError("a placeholder token before a row's last position")
-            input_ids.extend(tokens)
-        sampled_rows = [i for i, sampled in enumerate(plan.sampled) if sampled]
-        meta = StepMetadata.build(
-            [(start, len(tokens), table)
-             for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],
-            self.block_size, self.device, input_ids=input_ids, sampled_rows=sampled_rows,
-            pending=(pending_dst, pending_src) if pending_dst else None)
-        return StepInput(meta, self.backend.build_metadata(meta), None, rows, hooks, request_ids,
-                         None, generation_logits, num_sampled)
-
-    def _fits_graph(self, batch: SchedulerOutput) -> bool:
-        """A decode step (one new token per row, every row sampled) within the captured sizes."""
-        runner = self.graph_runner
-        return (runner is not None and runner.bucket_for(len(batch.scheduled)) is not None
-                and batch.is_decode_only)
+        return inputs_from_plan(self, plan, rows, hooks, request_ids, generation_logits)
 
     def run_model(self, step: StepInput) -> torch.Tensor:
         """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
@@ -439,72 +322,33 @@ class Worker:
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:
-        kv = config.kv_cache_config
-        bytes_per_block = self.shard_config.kv_bytes_per_token(self.dtype) * self.block_size
-        if self.device.type == "cuda":
-            budget_bytes = int(cuda_memory_for_kv(self.device, peak_bytes) * kv.free_gpu_memory_fraction)
-        else:
-            budget_bytes = kv.host_memory_bytes
-        num_blocks = budget_bytes // bytes_per_block
-        if kv.max_tokens is not None:
-            num_blocks = min(num_blocks, cdiv(kv.max_tokens, self.block_size))
-        # More than every batch slot at full length can never be used.
-        num_blocks = min(num_blocks, config.max_batch_size * cdiv(self.max_seq_len, self.block_size))
-        if num_blocks < 1:
-            raise RuntimeError(f"the KV cache budget ({budget_bytes} bytes) holds no block of "
-                               f"{bytes_per_block} bytes; raise the memory budget")
-        return self.tp.min_over_ranks(int(num_blocks))  # rank 0 schedules what every rank holds
+        num_blocks = num_kv_blocks(config, self.shard_config, self.dtype, self.block_size,
+                                   self.max_seq_len, self.device, peak_bytes)
+        return self.tp.min_over_ranks(num_blocks)  # rank 0 schedules what every rank holds
 
     def _profile_peak_memory(self, config: ExecutorConfig) -> int:
         """Peak bytes allocated on the device while running the largest step (weights included)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            self.warm_up(config.max_batch_size, self.max_num_tokens)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise RuntimeError(f"the warm-up step at the largest batch (max_num_tokens "
-                               f"{self.max_num_tokens} over max_num_sequences {config.max_batch_size}) "
-                               f"does not fit in GPU memory next to the weights; lower them: {exc}") from None
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()  # give the warm-up's blocks back, so free memory is read cleanly
-        logger.info("warm-up step: peak %.1f MiB allocated (weights included)", peak / 2**20)
-        return peak
+        return peak_step_bytes(self.device, lambda: self.warm_up(config.max_batch_size, self.max_num_tokens),
+                               config.max_batch_size, self.max_num_tokens)
 
     def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
         """One eager step through the real model and sampler at the largest batch the scheduler
-        can form: `max_num_tokens` tokens (at most `max_seq_len` per row) spread over
-        `max_batch_size` prefill rows, every row sampled with top-k, top-p, penalties and log
-        probs (the sampler's largest temporaries).
+        can form (`warm_up_batch`).
 
         Runs against a throw-away one-block cache: every row's block table points at block 0
         (whatever the rows write there is garbage nobody reads), so no real cache is touched
         while attention still reads a full-length context per row.
         """
-        num_rows = min(max_batch_size, max_num_tokens)
-        num_tokens = min(max_num_tokens, num_rows * self.max_seq_len)
-        vocab = self.model_config.vocab_size
-        scheduled, rows = [], []
-        for i in range(num_rows):
-            n = num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
-            ids = [(i * 7919 + j * 31) % vocab for j in range(n)]
-            seq = Sequence(request_id=-1 - i, prompt_token_ids=ids, max_new_tokens=1,
-                           block_table=[0] * cdiv(n, self.block_size))
-            scheduled.append(ScheduledSequence(seq, n))
-            rows.append(SamplingRow(token_ids=ids, num_prompt_tokens=n - 1, temperature=0.8, top_k=50,
-                                    top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1,
-                                    generator=torch.Generator(self.device).manual_seed(i),
-                                    return_log_probs=True))
+        batch, rows = warm_up_batch(max_batch_size, max_num_tokens, self.max_seq_len,
+                                    self.model_config.vocab_size, self.block_size, self.device)
         real_caches, runner = self.kv_caches, self.graph_runner
         self.kv_caches = allocate_kv_caches(self.shard_config, 1, self.block_size, self.dtype,
                                             self.device)
         self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:
             # Every rank runs its warm-up at once (no step message); rank 0 alone samples.
-            sample = self.run_plan(self._plan(SchedulerOutput(scheduled), rows),
-                                   rows if self.tp.is_leader else None)
+            sample = self.run_plan(self._plan(batch, rows), rows if self.tp.is_leader else None)
             if sample is not None:
                 sample.result()
         finally:
             self.kv_caches, self.graph_runner = real_caches, runner
-

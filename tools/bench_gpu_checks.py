@@ -34,29 +34,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_runs import (build_hf, free_memory, make_engine, profile_decode,  # noqa: E402
-                            random_prompts, sync)
+from bench_gpu_cli import log, open_device, start_random_engine, write_results  # noqa: E402
+from bench_gpu_runs import free_memory, profile_decode, random_prompts, sync  # noqa: E402
 from inflight.executor.types import OutputConfig, Request, SamplingConfig  # noqa: E402
 from inflight.kernels import jit_stats  # noqa: E402
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def start_engine(shape: str, device: torch.device, max_batch: int, max_seq_len: int):
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf, folder = build_hf(shape, device, dtype)
-    weights = dict(hf.state_dict())
-    vocab = hf.config.vocab_size
-    del hf
-    free_memory(device)
-    start = time.perf_counter()
-    with jit_stats.CompileLog() as compiles:
-        engine = make_engine(folder, weights, device, str(dtype).removeprefix("torch."), max_batch,
-                             max_seq_len)
-    del weights
-    startup = {"startup_s": round(time.perf_counter() - start, 2),
+    """`start_random_engine`, counting the Triton compiles of its start-up."""
+    compiles = jit_stats.CompileLog()
+    engine, vocab, startup_s = start_random_engine(shape, device, max_batch, max_seq_len, compiles)
+    startup = {"startup_s": round(startup_s, 2),
                "startup_compiles": len(compiles.events),
                "startup_compile_s": round(compiles.seconds, 2)}
     return engine, vocab, startup
@@ -166,21 +154,16 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=12, help="kernels listed per batch")
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu_checks")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available here; use --device cpu --shapes tiny for a dry run", file=sys.stderr)
+    device = open_device(args.device)
+    if device is None:
         return 2
-    if device.type == "cuda":
-        log(f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}")
     if device.type != "cuda":
         args.max_batch, args.max_seq_len = min(args.max_batch, 8), min(args.max_seq_len, 256)
         args.batches = [b for b in args.batches if b <= args.max_batch] or [1]
     torch.manual_seed(0)
     check = jit_check if args.check == "jit" else profile
     results = {shape: check(shape, device, args) for shape in args.shapes}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.check}.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out, f"{args.check}.json", results)
     if args.check == "jit":
         return 1 if any(r["compiles_after_startup"] for r in results.values()) else 0
     return 0

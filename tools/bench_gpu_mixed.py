@@ -39,15 +39,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_runs import (build_hf, free_memory, kernel_summary, make_engine,  # noqa: E402
-                            random_prompts, run_engine, sync)
+from bench_gpu_cli import log, open_device, start_random_engine, write_results  # noqa: E402
+from bench_gpu_runs import (cancel_all, free_memory, profile_steps, random_prompts,  # noqa: E402
+                            run_engine, sync)
 from inflight.executor.types import OutputConfig, Request  # noqa: E402
 
 GENERATED_ONLY = OutputConfig(exclude_input_from_output=True)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def _median_ms(values: list[float]) -> float:
@@ -101,7 +98,6 @@ def steady_mixed(engine, vocab: int, concurrency: int, prompt_len: int, num_step
     """concurrency - 2 rows decoding and one new one-token request's prompt every step (the
     last one's row is still held while its result is in flight: a batch of `concurrency`), so
     every step is mixed (`mixed_share` says so). Profiled, then timed without the profiler."""
-    from torch.profiler import ProfilerActivity, profile
     device = engine.worker.device
     rows = [engine.add_request(Request(p, 4 * num_steps + 16, end_id=-1))
             for p in random_prompts(concurrency - 2, prompt_len, vocab, seed=21)]
@@ -118,37 +114,19 @@ def steady_mixed(engine, vocab: int, concurrency: int, prompt_len: int, num_step
     for _ in range(4):  # the first prompts and a few decode steps
         engine.step()
     steps(3)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        steps(num_steps)
-        sync(device)
-        wall = time.perf_counter() - start
-    result = kernel_summary(prof, num_steps, wall, top=8)
+    result = profile_steps(lambda: steps(num_steps), num_steps, device, top=8)
     result["mixed_share"] = sum(kinds[-num_steps:]) / num_steps
     sync(device)
     start = time.perf_counter()
     steps(2 * num_steps)
     sync(device)
     result["step_ms_unprofiled"] = 1e3 * (time.perf_counter() - start) / (2 * num_steps)
-    for rid in rows:
-        engine.cancel(rid)
-    while engine.has_unfinished():
-        engine.step()
+    cancel_all(engine, rows)
     return result
 
 
 def bench_shape(shape: str, args, device: torch.device) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf, folder = build_hf(shape, device, dtype)
-    vocab = hf.config.vocab_size
-    weights = dict(hf.state_dict())
-    del hf
-    free_memory(device)
-    engine = make_engine(folder, weights, device, str(dtype).removeprefix("torch."),
-                         max(args.concurrency, 8), args.max_seq_len)
-    del weights
+    engine, vocab, _ = start_random_engine(shape, device, max(args.concurrency, 8), args.max_seq_len)
     runner = engine.worker.graph_runner
     mixed = runner.mixed if runner is not None else None
     out = {"mixed_buckets": list(mixed.token_buckets) if mixed else [], "runs": [], "profile": {},
@@ -245,17 +223,12 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu_mixed")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available here; use --device cpu --shapes tiny for a dry run", file=sys.stderr)
+    device = open_device(args.device)
+    if device is None:
         return 2
-    if device.type == "cuda":
-        log(f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}")
     torch.manual_seed(0)
     results = {shape: bench_shape(shape, args, device) for shape in args.shapes}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "mixed.json").write_text(json.dumps(results, indent=1))
+    write_results(args.out, "mixed.json", results)
     log("\n" + table(results, args))
     return 0
 

@@ -1,5 +1,6 @@
-"""Measurements for tools/bench_gpu.py: random-weight models in public shapes, engine and HF
-`generate` runs, the bandwidth roofline, and a profiled decode step. No printing here."""
+"""Measurements for tools/bench_gpu.py, bench_gpu_checks.py and bench_gpu_mixed.py: random-weight
+models in public shapes, engine and HF `generate` runs, the bandwidth roofline, and profiled
+engine steps. No printing here."""
 
 from __future__ import annotations
 
@@ -186,11 +187,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
             step_times.append(after - before)
         if after > deadline:
             timed_out = True
-            for rid in ids:
-                if rid not in outputs:
-                    engine.cancel(rid)
-            while engine.has_unfinished():
-                engine.step()
+            cancel_all(engine, [rid for rid in ids if rid not in outputs])
             break
     sync(device)
     end = time.perf_counter()
@@ -241,25 +238,39 @@ def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
     """Kernels per decode step and GPU busy time vs wall time, from torch.profiler over
     `num_steps` steady decode steps of `batch` rows; with `top`, also `top_kernels`: the
     `top` kernels by GPU time (name, us and launches per step, % of the busy time)."""
-    from torch.profiler import ProfilerActivity, profile
-    device = engine.worker.device
     prompts = random_prompts(batch, prompt_len, vocab, seed=99)
     ids = [engine.add_request(Request(p, num_steps + 24)) for p in prompts]
     for _ in range(12):  # prefill, then a few decode steps (graphs and caches warm)
         engine.step()
+
+    def steps():
+        for _ in range(num_steps):
+            engine.step()
+    summary = profile_steps(steps, num_steps, engine.worker.device, top)
+    cancel_all(engine, ids)
+    return dict(batch=batch, **summary)
+
+
+def profile_steps(run, num_steps: int, device: torch.device, top: int = 0) -> dict:
+    """`kernel_summary` of `run()`, which runs `num_steps` engine steps, under torch.profiler
+    (the device synced before and after)."""
+    from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
+        run()
         sync(device)
         wall = time.perf_counter() - start
-    for rid in ids:
+    return kernel_summary(prof, num_steps, wall, top)
+
+
+def cancel_all(engine: LLMEngine, request_ids) -> None:
+    """Cancels the requests and steps the engine until nothing is left in flight."""
+    for rid in request_ids:
         engine.cancel(rid)
     while engine.has_unfinished():
         engine.step()
-    return dict(batch=batch, **kernel_summary(prof, num_steps, wall, top))
 
 
 def kernel_summary(prof, num_steps: int, wall: float, top: int = 0) -> dict:

@@ -33,6 +33,7 @@ from inflight.engine import LLMEngine  # noqa: E402
 from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
 from inflight.executor.types import OutputConfig, Request  # noqa: E402
 from inflight.cuda_graph import CudaGraphRunner  # noqa: E402
+from inflight.distributed.group import TensorParallel  # noqa: E402
 from inflight.model.attention import AttentionLimits  # noqa: E402
 from inflight.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from inflight.model.config import ModelConfig  # noqa: E402
@@ -64,12 +65,22 @@ class NullModel(torch.nn.Module):
         return logits if out is None else out.copy_(logits)
 
 
+class NoDecodeSteps(RuntimeError):
+    """A run measured no decode-only step (its steps failed, or none had the whole batch)."""
+
+
 class NullWorker(Worker):
     """A `Worker` on the CPU whose model is a `NullModel`: its host work (graph staging of
     decode steps, step metadata and the Triton backend's for the others, sampling, overlap's
-    pending tokens) is the real one. Greedy rows all sample token 0."""
+    pending tokens) is the real one. Greedy rows all sample token 0.
+
+    It skips `Worker.__init__` (which loads a checkpoint), so it sets every attribute the
+    step reads itself; tests/model/test_host_cost.py runs it, so one added to `Worker` and
+    missed here fails there rather than in a measurement."""
 
     def __init__(self, config: ExecutorConfig, model: dict) -> None:
+        self.tp = TensorParallel.single()
+        self.ranks = None  # one rank: steps run here, none is sent
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.model_config = ModelConfig.from_hf_dict(model)
@@ -105,26 +116,37 @@ def make_engine(max_batch_size: int, max_seq_len: int) -> LLMEngine:
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, num_decode_steps: int,
             profiler: cProfile.Profile | None = None, streaming: bool = False) -> dict:
-    """Median CPU seconds of the decode-only steps of `batch` requests run to completion."""
+    """Median CPU seconds of the decode-only steps of `batch` requests run to completion.
+
+    Raises `NoDecodeSteps` when there is none to take the median of: a failed step fails its
+    requests and the engine carries on, so the first error response says why."""
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)]
         engine.add_request(Request(prompt, num_decode_steps + 2, streaming=streaming,
                                    output_config=OutputConfig(exclude_input_from_output=True)))
     times = []
+    errors = []
     while engine.has_unfinished():
         decode = engine.scheduler.num_waiting == 0 and all(
             s.num_uncomputed_tokens <= 1 for s in engine.scheduler.running)
         if decode and profiler is not None:
             profiler.enable()
         start = time.thread_time()  # CPU time: robust to other processes sharing the cores
-        engine.step()
+        responses = engine.step()
         elapsed = time.thread_time() - start
         if profiler is not None:
             profiler.disable()
         stats = engine.last_stats.inflight_batching_stats
         if stats.num_ctx_tokens == 0 and stats.num_scheduled_requests == batch:
             times.append(elapsed)
+        errors += [r.error_msg for r in responses if r.has_error()]
+    if errors:
+        raise NoDecodeSteps(f"batch {batch}: {len(errors)} of {batch} requests failed; the first: "
+                            f"{errors[0]}")
+    if not times:
+        raise NoDecodeSteps(f"batch {batch}: no step computed all {batch} rows' decode tokens "
+                            f"and nothing else ({num_decode_steps} decode steps per request)")
     median = statistics.median(times)
     return {"batch": batch, "steps": len(times), "us_per_step": median * 1e6,
             "us_per_row": median * 1e6 / batch}
@@ -142,6 +164,15 @@ def main() -> int:
                         help="streaming requests (a response per row per step, as Triton serves)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    try:
+        run(args)
+    except NoDecodeSteps as exc:
+        print(f"host_cost: nothing measured: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
     engine = make_engine(max(args.batches), args.max_seq_len)
     measure(engine, min(4, max(args.batches)), args.prompt_len, 8)  # warm caches and allocators
     rows = []
@@ -160,7 +191,6 @@ def main() -> int:
         profiler = cProfile.Profile()
         measure(engine, max(args.batches), args.prompt_len, args.steps, profiler, args.streaming)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return 0
 
 
 if __name__ == "__main__":

@@ -125,11 +125,11 @@ def wait_idle(http_url: str, timeout_s: float = 60) -> None:
         time.sleep(1.0)
 
 
-def perf_inputs(path: Path, num_tokens: int) -> Path:
+def perf_inputs(path: Path, num_tokens: int, stream: bool = True) -> Path:
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Explain what a hash table is in two sentences.", "List three fruits and their colours."]
     data = [{"text_input": [p], "max_tokens": [num_tokens], "min_tokens": [num_tokens], "end_id": [-1],
-             "stream": [True], "exclude_input_in_output": [True]} for p in prompts]
+             "stream": [stream], "exclude_input_in_output": [True]} for p in prompts]
     path.write_text(json.dumps({"data": data}))
     return path
 
@@ -225,6 +225,10 @@ def parse_args(argv=None):
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="tools/build_repository.py values, e.g. postprocessing_instance_count=1")
     parser.add_argument("--profile", choices=PROCESSES[1:], help="py-spy this process during each level")
+    parser.add_argument("--no-stream", action="store_true", help="non-streamed requests (one response "
+                        "each; the CPU figures are then per request), e.g. to profile beside streaming")
+    parser.add_argument("--perf-analyzer", help="perf_analyzer binary (default: found or installed "
+                        "by tools/perf_analyzer_env.py)")
     parser.add_argument("--json", type=Path, help="also write the levels here")
     return parser.parse_args(argv)
 
@@ -234,14 +238,14 @@ def main(argv=None) -> int:
     import perf_analyzer_env
     from tests.e2e.server import running_server
 
-    binary = str(perf_analyzer_env.ensure())
+    binary = args.perf_analyzer or str(perf_analyzer_env.ensure())
     model = args.model or tiny_checkpoint(args.tokenizer, TINY_DIR)
     values = dict(kv.split("=", 1) for kv in args.set)
     values.setdefault("guided_decoding_backend", "")  # loads faster; not on the response path
     with contextlib.ExitStack() as stack:
         work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         server = stack.enter_context(running_server(model, work_dir, **values))
-        inputs = perf_inputs(work_dir / "inputs.json", args.output_tokens)
+        inputs = perf_inputs(work_dir / "inputs.json", args.output_tokens, not args.no_stream)
         pids = server_processes(server.pid)
         missing = [p for p in PROCESSES if p not in pids]
         if missing:

@@ -67,6 +67,7 @@ def build_engine(spec: dict):
     make = getattr(LLMEngine, "from_dir", None)  # main's constructor; the engine's own otherwise
     engine = make(spec["model_path"], config) if make else LLMEngine(spec["model_path"], config)
     faults.install_test_hook(engine, spec.get("fault_spec"))
+    engine.compact_stream_chunks = True  # one-token chunks as tuples: wire.split_plain packs them
     return engine
 
 

@@ -33,8 +33,14 @@ class StubIds:
         """(stub id, response) for each response of a request in flight here; others (already
         ended, or not ours) are dropped. A final response or an error ends its request."""
         out = []
+        stub_by_engine = self._stub_by_engine
         for response in responses:
-            stub_id = self._stub_by_engine.get(response.request_id)
+            if type(response) is tuple:  # a compact chunk (RequestState.stream_chunk): never final
+                stub_id = stub_by_engine.get(response[0])
+                if stub_id is not None:
+                    out.append((stub_id, response))
+                continue
+            stub_id = stub_by_engine.get(response.request_id)
             if stub_id is None:
                 continue
             if response.has_error() or response.result.is_final:

@@ -158,11 +158,21 @@ def is_plain(response: Response) -> bool:
             and r.finish_reasons[0] is _NOT_FINISHED)
 
 
-def split_plain(routed: list[tuple[int, Response]]) -> tuple[list, bytes | None]:
-    """(stub id, response) pairs → (full items, token columns or None): the plain chunks as
-    one int64 `[5, n]` array (stub id, sequence index, token, input tokens, output tokens).
-    A row with more than one response in the turn goes whole, so its responses keep their
-    order. Runs once per engine step, on its critical path: kept lean."""
+def compact_response(chunk: tuple) -> Response:
+    """A compact chunk `(request id, sequence index, token, input tokens, output tokens)` (see
+    `RequestState.stream_chunk`) as the Response it stands for."""
+    request_id, sequence_index, token, num_input_tokens, num_output_tokens = chunk
+    return Response(request_id, result=Result(
+        is_final=False, output_token_ids=[[token]], finish_reasons=[_NOT_FINISHED],
+        sequence_index=sequence_index, is_sequence_final=False,
+        num_input_tokens=num_input_tokens, num_output_tokens=num_output_tokens))
+
+
+def split_plain(routed: list[tuple[int, Response | tuple]]) -> tuple[list, bytes | None]:
+    """(stub id, response or compact chunk) pairs → (full items, token columns or None): the
+    plain chunks as one int64 `[5, n]` array (stub id, sequence index, token, input tokens,
+    output tokens). A row with more than one response in the turn goes whole, so its
+    responses keep their order. Runs once per engine step, on its critical path: kept lean."""
     repeated = set()
     if len({stub_id for stub_id, _ in routed}) != len(routed):
         seen = set()
@@ -170,6 +180,11 @@ def split_plain(routed: list[tuple[int, Response]]) -> tuple[list, bytes | None]
             (repeated if stub_id in seen else seen).add(stub_id)
     items, columns = [], []
     for stub_id, response in routed:
+        if type(response) is tuple:
+            if stub_id not in repeated:
+                columns.append((stub_id, *response[1:]))
+                continue
+            response = compact_response(response)
         if is_plain(response) and stub_id not in repeated:
             r = response.result
             columns.append((stub_id, r.sequence_index, r.output_token_ids[0][0], r.num_input_tokens,

@@ -130,3 +130,30 @@ def test_context_logits_once_per_position_under_chunks_and_preemption():
         tokens = PROMPT + result.output_token_ids[0]
         steps = [fake_logits(tokens[:len(PROMPT) + i]).tolist() for i in range(NUM_NEW)]
         assert result.generation_logits[0].tolist() == steps
+
+
+def test_compact_stream_chunks_stand_for_the_same_responses():
+    """The engine process asks for one-token streamed chunks as tuples; rebuilt, they are the
+    responses a plain engine gives, and chunks with log probs stay responses."""
+    from inflight.serving.wire import compact_response
+
+    def fields(response):
+        r = response.result
+        return (response.request_id, r.output_token_ids, r.is_final, r.sequence_index, r.is_sequence_final,
+                r.num_input_tokens, r.num_output_tokens, r.finish_reasons, r.log_probs)
+
+    requests = lambda: [request(n=3, streaming=True), request(streaming=True, return_log_probs=True),  # noqa: E731
+                        request(streaming=True, seed=5)]
+    plain = make_engine()
+    expected = [fields(r) for rs in run(plain, requests()) for r in rs]
+    compact = make_engine()
+    compact.compact_stream_chunks = True
+    ids = [compact.add_request(r) for r in requests()]
+    got, num_tuples = [], 0
+    while compact.has_unfinished():
+        for item in compact.step():
+            num_tuples += type(item) is tuple
+            got.append(compact_response(item) if type(item) is tuple else item)
+    assert_kv_idle(compact)
+    got = [fields(r) for i in ids for r in got if r.request_id == i]
+    assert got == expected and num_tuples >= 4 * (NUM_NEW - 1)

@@ -85,3 +85,15 @@ def test_plain_tokens_gather_into_one_response_before_the_rows_final():
     assert stub_id == 9 and [r.result.output_token_ids for r in responses] == [[[1, 2, 3, 4]]]
     assert responses[0].result.is_final
     assert [(i, [r.result.output_token_ids for r in rs]) for i, rs in outbox.pop_all()] == [(8, [[[80]]])]
+
+
+def test_compact_chunks_cross_as_columns_and_go_whole_beside_a_rows_other_response():
+    from inflight.serving import wire
+
+    compact = (70, 1, 12, 7, 4)  # request id, sequence index, token, input tokens, output tokens
+    final = token(2, 21, final=True)
+    items, columns = wire.split_plain([(1, compact), (2, (71, 0, 20, 5, 1)), (2, final)])
+    assert wire.plain_from_wire(columns) == [(1, 1, 12, 7, 4)]
+    expected = wire.compact_response((71, 0, 20, 5, 1))
+    assert wire.is_plain(expected)
+    assert items == [[2, wire.response_to_wire(expected)], [2, wire.response_to_wire(final)]]

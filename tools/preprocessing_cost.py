@@ -1,27 +1,35 @@
 """What the preprocessing step costs a request at concurrency 1: this checkout vs another ref.
 
     python tools/preprocessing_cost.py                      # vs main's preprocessing model
-    python tools/preprocessing_cost.py --ref HEAD~3 --requests 400 --block 20
+    python tools/preprocessing_cost.py --ref HEAD~3 --requests 400 --ref-first
 
 Two real tritonservers serve the default model behind the ensemble from the same repository,
-except that the second one's preprocessing/1/model.py is the one at git `--ref`. One client sends streamed ensemble requests one
-at a time (gRPC, the prompts of tools/bench_serving.py, --output-tokens out), alternating
-between the servers every --block requests so that both see the same machine, and reads
-Triton's statistics around each block. Per server, the medians over blocks of:
+except that one server's preprocessing/1/model.py is the one at git `--ref`. One client sends
+streamed ensemble requests one at a time (gRPC, the prompts of tools/bench_serving.py,
+--output-tokens out), alternating between the servers every --block requests so that both see
+the same machine, and reads Triton's statistics around each block. Per server, the medians over
+blocks of:
 
     pre.queue, pre.input, pre.infer, pre.output   preprocessing, ms per request (Triton's
                                                   queue, compute_input, compute_infer,
-                                                  compute_output)
+                                                  compute_output; compute_output includes the
+                                                  ensemble scheduling the next step)
     trt.input                                     tensorrt_llm's compute_input per request
     ttft                                          the client's time to the first response
 
-and the difference (this checkout - ref). On a shared machine repeat it: the blocks' spread is
-printed too.
+and the difference (this checkout - ref). Two servers running the same code differ too (0.2 ms
+in pre.output on a shared 2-core machine, `--ref HEAD`): run it again with --ref-first (the
+ref's server started first) and trust what both orders agree on.
+
+Then, on this checkout's server only, the cost of the tensors themselves, free of that bias:
+preprocessing called directly, requests alternating between asking for every output (NVIDIA's
+full answer, 10 tensors for a plain prompt) and for the pipeline's (5, preprocessing.step_outputs).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -33,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -40,6 +50,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 import serving_load  # noqa: E402
 
 from bench_serving import DEFAULT_MODEL  # noqa: E402
+from ensemble.io_contract import PREPROCESSING_TO_ENGINE  # noqa: E402
 
 MODEL_FILE = "preprocessing/1/model.py"
 STATS = (("pre.queue", "preprocessing", "queue"), ("pre.input", "preprocessing", "compute_input"),
@@ -94,6 +105,35 @@ def block(server, texts: list[str], num_tokens: int) -> dict[str, float]:
     return out
 
 
+def direct(server, texts: list[str], num_requests: int) -> dict[str, dict[str, float]]:
+    """Direct preprocessing calls, alternating full and pipeline answers: median ms each."""
+    import tritonclient.grpc as grpcclient
+
+    asks = {"full answer": None,
+            "pipeline answer": [grpcclient.InferRequestedOutput(n) for n in PREPROCESSING_TO_ENGINE]}
+    got: dict[str, dict[str, list[float]]] = {k: collections.defaultdict(list) for k in asks}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for n in range(num_requests):
+            query = [grpcclient.InferInput("QUERY", [1, 1], "BYTES"),
+                     grpcclient.InferInput("REQUEST_OUTPUT_LEN", [1, 1], "INT32")]
+            query[0].set_data_from_numpy(np.array([[texts[n % len(texts)].encode()]], dtype=object))
+            query[1].set_data_from_numpy(np.array([[4]], np.int32))
+            for name in sorted(asks, reverse=n % 2 == 1):  # each goes first half the time
+                before = stats(server.http_url)
+                began = time.perf_counter()
+                result = client.infer("preprocessing", query, outputs=asks[name])
+                got[name]["client"].append((time.perf_counter() - began) * 1e3)
+                after = stats(server.http_url)
+                got[name]["tensors"].append(len(result.get_response().outputs))
+                for key in ("compute_input", "compute_infer", "compute_output"):
+                    ns = after["preprocessing", key][1] - before["preprocessing", key][1]
+                    got[name][key.removeprefix("compute_")].append(ns / 1e6)
+    finally:
+        client.close()
+    return {name: {k: statistics.median(v) for k, v in values.items()} for name, values in got.items()}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -102,6 +142,7 @@ def parse_args(argv=None):
     parser.add_argument("--block", type=int, default=10, help="requests per server before switching")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=2)
+    parser.add_argument("--ref-first", action="store_true", help="start the ref's server first")
     return parser.parse_args(argv)
 
 
@@ -110,22 +151,25 @@ def main(argv=None) -> int:
     from tests.e2e.server import running_server
 
     texts, _ = serving_load.build_prompts(args.model, 64, args.prompt_tokens)
-    names = ("this checkout", f"ref {args.ref}")
+    names = ["this checkout", f"ref {args.ref}"]
+    prepares = [None, use_ref(args.ref)]
+    order = [1, 0] if args.ref_first else [0, 1]
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="preprocessing-cost-")))
-        servers = [stack.enter_context(running_server(Path(args.model), work / str(i), prepare=prepare))
-                   for i, prepare in enumerate((None, use_ref(args.ref)))]
-        for server in servers:  # warm-up: first requests load lazily and compile
-            block(server, texts[:4], args.output_tokens)
+        servers = {i: stack.enter_context(running_server(Path(args.model), work / str(i), prepare=prepares[i]))
+                   for i in order}
+        for i in order:  # warm-up: first requests load lazily and compile
+            block(servers[i], texts[:4], args.output_tokens)
         print(f"load average {os.getloadavg()[0]:.2f}; {args.requests} requests per server, "
-              f"blocks of {args.block}, {args.output_tokens} tokens out", flush=True)
+              f"blocks of {args.block}, {args.output_tokens} tokens out; {names[order[0]]} first", flush=True)
         blocks: list[list[dict]] = [[], []]
         for n in range(0, args.requests, args.block):
             chunk = [texts[(n + i) % len(texts)] for i in range(min(args.block, args.requests - n))]
-            for i, server in enumerate(servers):
-                blocks[i].append(block(server, chunk, args.output_tokens))
-    print(f"load average {os.getloadavg()[0]:.2f}\nms per request, median over {len(blocks[0])} blocks "
-          f"[min-max]")
+            for i in order:
+                blocks[i].append(block(servers[i], chunk, args.output_tokens))
+        tensors = direct(servers[0], texts, args.requests)
+    print(f"load average {os.getloadavg()[0]:.2f}\nensemble, ms per request, median over {len(blocks[0])} "
+          f"blocks [min-max]")
     print(f"{'':<11}" + "".join(f"{name:>26}" for name in names) + f"{'difference':>12}")
     for label in ("ttft", *(s[0] for s in STATS)):
         cells, medians = [], []
@@ -134,6 +178,10 @@ def main(argv=None) -> int:
             medians.append(statistics.median(values))
             cells.append(f"{medians[-1]:8.3f} [{min(values):.3f}-{max(values):.3f}]")
         print(f"{label:<11}" + "".join(f"{c:>26}" for c in cells) + f"{medians[0] - medians[1]:+12.3f}")
+    print(f"preprocessing called directly on this checkout's server, ms per request, median of {args.requests}")
+    for name, values in tensors.items():
+        print(f"  {name:<16} {values['tensors']:3.0f} tensors: input {values['input']:.3f}, infer "
+              f"{values['infer']:.3f}, output {values['output']:.3f}, client round trip {values['client']:.3f}")
     return 0
 
 

@@ -24,6 +24,8 @@ ref's server started first) and trust what both orders agree on.
 Then, on this checkout's server only, the cost of the tensors themselves, free of that bias:
 preprocessing called directly, requests alternating between asking for every output (NVIDIA's
 full answer, 10 tensors for a plain prompt) and for the pipeline's (5, preprocessing.step_outputs).
+Back to back by default; with --idle-s 0.3 each call finds the stub idle, as the ensemble's
+requests at concurrency 1 do (on the 2-core CPU its compute_infer then grows by 0.4 ms).
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ def block(server, texts: list[str], num_tokens: int) -> dict[str, float]:
     return out
 
 
-def direct(server, texts: list[str], num_requests: int) -> dict[str, dict[str, float]]:
-    """Direct preprocessing calls, alternating full and pipeline answers: median ms each."""
+def direct(server, texts: list[str], num_requests: int, idle_s: float) -> dict[str, dict[str, float]]:
+    """Direct preprocessing calls, alternating full and pipeline answers, each after `idle_s`
+    without a request: median ms each."""
     import tritonclient.grpc as grpcclient
 
     asks = {"full answer": None,
@@ -120,6 +123,7 @@ def direct(server, texts: list[str], num_requests: int) -> dict[str, dict[str, f
             query[0].set_data_from_numpy(np.array([[texts[n % len(texts)].encode()]], dtype=object))
             query[1].set_data_from_numpy(np.array([[4]], np.int32))
             for name in sorted(asks, reverse=n % 2 == 1):  # each goes first half the time
+                time.sleep(idle_s)
                 before = stats(server.http_url)
                 began = time.perf_counter()
                 result = client.infer("preprocessing", query, outputs=asks[name])
@@ -143,6 +147,8 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=2)
     parser.add_argument("--ref-first", action="store_true", help="start the ref's server first")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="pause before each direct call (at concurrency 1 the stub waits idle between requests)")
     return parser.parse_args(argv)
 
 
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
             chunk = [texts[(n + i) % len(texts)] for i in range(min(args.block, args.requests - n))]
             for i in order:
                 blocks[i].append(block(servers[i], chunk, args.output_tokens))
-        tensors = direct(servers[0], texts, args.requests)
+        tensors = direct(servers[0], texts, args.requests, args.idle_s)
     print(f"load average {os.getloadavg()[0]:.2f}\nensemble, ms per request, median over {len(blocks[0])} "
           f"blocks [min-max]")
     print(f"{'':<11}" + "".join(f"{name:>26}" for name in names) + f"{'difference':>12}")
@@ -178,7 +184,8 @@ def main(argv=None) -> int:
             medians.append(statistics.median(values))
             cells.append(f"{medians[-1]:8.3f} [{min(values):.3f}-{max(values):.3f}]")
         print(f"{label:<11}" + "".join(f"{c:>26}" for c in cells) + f"{medians[0] - medians[1]:+12.3f}")
-    print(f"preprocessing called directly on this checkout's server, ms per request, median of {args.requests}")
+    print(f"preprocessing called directly on this checkout's server, {args.idle_s:g} s after the last call, "
+          f"ms per request, median of {args.requests}")
     for name, values in tensors.items():
         print(f"  {name:<16} {values['tensors']:3.0f} tensors: input {values['input']:.3f}, infer "
               f"{values['infer']:.3f}, output {values['output']:.3f}, client round trip {values['client']:.3f}")

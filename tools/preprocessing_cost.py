@@ -7,7 +7,8 @@ Two real tritonservers serve the default model behind the ensemble from the same
 except that one server's preprocessing/1/model.py is the one at git `--ref`. One client sends
 streamed ensemble requests one at a time (gRPC, the prompts of tools/bench_serving.py,
 --output-tokens out), alternating between the servers every --block requests so that both see
-the same machine, and reads Triton's statistics around each block. Per server, the medians over
+the same machine, and reads Triton's statistics around each block (`--ref none`: one server,
+this checkout's). Per server, the medians over
 blocks of:
 
     pre.queue, pre.input, pre.infer, pre.output   preprocessing, ms per request (Triton's
@@ -138,10 +139,25 @@ def direct(server, texts: list[str], num_requests: int, idle_s: float) -> dict[s
     return {name: {k: statistics.median(v) for k, v in values.items()} for name, values in got.items()}
 
 
+def print_blocks(names: list[str], blocks: list[list[dict]]) -> None:
+    """Per server the medians over blocks [min-max]; with two, the difference first - second."""
+    print(f"ensemble, ms per request, median over {len(blocks[0])} blocks [min-max]")
+    print(f"{'':<11}" + "".join(f"{name:>26}" for name in names) + (f"{'difference':>12}" if len(names) > 1 else ""))
+    for label in ("ttft", *(s[0] for s in STATS)):
+        cells, medians = [], []
+        for runs in blocks:
+            values = [b[label] for b in runs]
+            medians.append(statistics.median(values))
+            cells.append(f"{medians[-1]:8.3f} [{min(values):.3f}-{max(values):.3f}]")
+        diff = f"{medians[0] - medians[1]:+12.3f}" if len(medians) > 1 else ""
+        print(f"{label:<11}" + "".join(f"{c:>26}" for c in cells) + diff)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
-    parser.add_argument("--ref", default="main", help="git ref whose preprocessing model.py the second server runs")
+    parser.add_argument("--ref", default="main",
+                        help="git ref whose preprocessing model.py the second server runs; none: one server")
     parser.add_argument("--requests", type=int, default=200, help="per server")
     parser.add_argument("--block", type=int, default=10, help="requests per server before switching")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -158,8 +174,8 @@ def main(argv=None) -> int:
 
     texts, _ = serving_load.build_prompts(args.model, 64, args.prompt_tokens)
     names = ["this checkout", f"ref {args.ref}"]
-    prepares = [None, use_ref(args.ref)]
-    order = [1, 0] if args.ref_first else [0, 1]
+    prepares = [None, None if args.ref == "none" else use_ref(args.ref)]
+    order = [0] if args.ref == "none" else [1, 0] if args.ref_first else [0, 1]
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="preprocessing-cost-")))
         servers = {i: stack.enter_context(running_server(Path(args.model), work / str(i), prepare=prepares[i]))
@@ -174,16 +190,8 @@ def main(argv=None) -> int:
             for i in order:
                 blocks[i].append(block(servers[i], chunk, args.output_tokens))
         tensors = direct(servers[0], texts, args.requests, args.idle_s)
-    print(f"load average {os.getloadavg()[0]:.2f}\nensemble, ms per request, median over {len(blocks[0])} "
-          f"blocks [min-max]")
-    print(f"{'':<11}" + "".join(f"{name:>26}" for name in names) + f"{'difference':>12}")
-    for label in ("ttft", *(s[0] for s in STATS)):
-        cells, medians = [], []
-        for runs in blocks:
-            values = [b[label] for b in runs]
-            medians.append(statistics.median(values))
-            cells.append(f"{medians[-1]:8.3f} [{min(values):.3f}-{max(values):.3f}]")
-        print(f"{label:<11}" + "".join(f"{c:>26}" for c in cells) + f"{medians[0] - medians[1]:+12.3f}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    print_blocks([names[i] for i in sorted(order)], [blocks[i] for i in sorted(order)])
     print(f"preprocessing called directly on this checkout's server, {args.idle_s:g} s after the last call, "
           f"ms per request, median of {args.requests}")
     for name, values in tensors.items():

@@ -5,7 +5,7 @@
 It reads the tokenizer folder and token limits from the ensemble's model parameters over gRPC
 (so it needs only Triton's address), loads the tokenizer for chat templates, and serves on
 127.0.0.1 unless `--host` says otherwise. Ctrl-C or SIGTERM stops it; requests in flight are
-cancelled in Triton.
+cancelled in Triton. `--workers N` runs N such processes on one port (openai_frontend/workers.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.sampling import Limits
 from openai_frontend.triton_client import ModelInfo, TritonClient
+from openai_frontend.workers import auto_workers
 
 logger = logging.getLogger("openai_frontend")
 FALLBACK_CONTEXT_LENGTH = 2048
@@ -44,8 +46,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="on SIGTERM/SIGINT, seconds the answers in flight get to finish (new "
                              "requests and readiness get 503 at once); then they end with a 503 "
                              "error event. A second signal ends them at once (default 30)")
+    parser.add_argument("--workers", default="auto",
+                        help="frontend processes sharing the port (default auto: 1 below 8 cores, "
+                             "else cores/4, at most 4); see openai_frontend/workers.py")
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # a worker's inherited socket
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.workers == "auto":
+        args.workers = auto_workers()
+    elif not args.workers.isdigit() or int(args.workers) < 1:
+        parser.error(f"--workers must be 'auto' or a positive integer, got {args.workers!r}")
+    args.workers = int(args.workers)
+    return args
 
 
 async def _read_model_info(client: TritonClient, timeout_s: float) -> ModelInfo:
@@ -128,16 +140,22 @@ async def serve(args) -> None:
     server = _server(config, client, args.drain_timeout_s)
     logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
     watcher = asyncio.create_task(client.watch_readiness())
+    sockets = None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)]
     try:
-        await server.serve()
+        await server.serve(sockets)
     finally:
         watcher.cancel()
         await client.close()
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    if args.workers > 1 and args.listen_fd is None:
+        from openai_frontend import workers
+
+        return workers.run(argv, args.host, args.port, args.workers, args.drain_timeout_s)
     try:
         import uvloop
     except ImportError:  # optional: only faster

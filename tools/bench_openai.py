@@ -11,7 +11,7 @@ output tokens through `min_tokens`): the frontend through `/v1/chat/completions`
 client does, adding httpx's own time), the direct path to the gRPC ensemble with
 `apply_chat_template`, which renders the same template into the same prompt tokens (checked). The two paths take turns (request by
 request at concurrency 1, A B B A above), so drift on a shared machine falls on both. Prints time
-to first token (p50), output tok/s, the frontend process's CPU time per request (from /proc: the
+to first token (p50), output tok/s, the frontend processes' CPU time per request (from /proc: the
 figure least moved by other load), the load average, and the ratios: frontend TTFT − direct TTFT
 at concurrency 1, as the median of the paired differences (target ≤ 1 ms), and frontend tok/s ÷
 direct tok/s at 64 (target ≥ 95 %).
@@ -164,11 +164,23 @@ def _merge(levels: list[Level]) -> Level:
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
-    """(user, system) CPU time of a process (Linux /proc), or None."""
+    """(user, system) CPU time of a process and its live children (the frontend's workers;
+    Linux /proc), or None."""
     if pid is None:
         return None
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    user = system = 0.0
+    for each in (pid, *map(int, children)):
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a worker that has just gone
+            continue
+        user += int(fields[11]) / os.sysconf("SC_CLK_TCK")
+        system += int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    return user, system
 
 
 async def measured(request, pid, *args) -> Level:
@@ -272,6 +284,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", help="the engine's dtype (default: the repository's)")
     parser.add_argument("--set", default="", help="more repository values, k1:v1,k2:v2")
     parser.add_argument("--server-log", help="keep tritonserver's log here")
+    parser.add_argument("--frontend-workers", default="auto",
+                        help="the frontend's --workers, when this tool starts it (default: its auto)")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         grpc_url, openai_url, frontend_pid = args.grpc_url, args.openai_url, args.frontend_pid
@@ -281,7 +295,11 @@ def main(argv=None) -> int:
             grpc_url = stack.enter_context(_server(args)).grpc_url
         if openai_url is None:
             tokenizer = ["--tokenizer", args.model] if args.stub else []
-            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url, tokenizer))
+            workers = ["--workers", str(args.frontend_workers)]
+            openai_url, frontend_pid = stack.enter_context(_frontend(grpc_url, tokenizer + workers))
+            from openai_frontend.workers import auto_workers
+            count = auto_workers() if args.frontend_workers == "auto" else args.frontend_workers
+            print(f"frontend workers: {count} (on {os.cpu_count()} cores)", flush=True)
         print(f"Triton gRPC {grpc_url}, OpenAI frontend {openai_url}", flush=True)
         results = asyncio.run(bench(grpc_url, openai_url, frontend_pid, args))
     print("\nsummary")

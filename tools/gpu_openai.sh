@@ -22,7 +22,8 @@ WORK=/tmp/gpu-serving  # tools/gpu_serving.sh's
 ENV=$WORK/env
 MODEL=$WORK/llama-3.2-1b-random
 CONCURRENCY=${CONCURRENCY:-1 64}
-# SET: more repository values (k:v,k:v); BENCH_ARGS: more flags for tools/bench_openai.py.
+# SET: more repository values (k:v,k:v); BENCH_ARGS: more flags for tools/bench_openai.py;
+# FRONTEND_WORKERS: the frontend's --workers (default auto: 4 on a 16-core host).
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TQDM_DISABLE=1 PYTHONDONTWRITEBYTECODE=1
 exec > >(tee -a "$OUT/openai.log") 2>&1
@@ -46,7 +47,8 @@ step "bench_openai: frontend vs direct gRPC, c = $CONCURRENCY"
 timeout --kill-after=15 420 "$ENV/bin/python3" tools/bench_openai.py \
   --model "$MODEL" --device cuda --dtype bfloat16 --concurrency $CONCURRENCY \
   --requests-at-1 48 --max-tokens-at-1 16 --rounds 4 --max-tokens 128 \
-  --set "max_seq_len:1024${SET:+,$SET}" --server-log "$OUT/server.log" ${BENCH_ARGS:-}
+  --set "max_seq_len:1024${SET:+,$SET}" --server-log "$OUT/server.log" \
+  --frontend-workers "${FRONTEND_WORKERS:-auto}" ${BENCH_ARGS:-}
 rc=$?
 step "done (exit $rc)"
 exit $rc

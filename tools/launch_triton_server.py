@@ -44,7 +44,7 @@ import tritonclient.grpc as grpcclient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
+from inflight.supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
 
 from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
 
@@ -180,7 +180,7 @@ class Launched:
 
 def launch(args, extra_env: dict[str, str] | None = None) -> Launched:
     """Start the server in its own session, tied to the calling thread's life (see
-    `supervisor.die_with_parent`); stop it with `stop`."""
+    `inflight.supervisor.die_with_parent`); stop it with `stop`."""
     work_dir = Path(tempfile.mkdtemp(prefix="triton-launch-"))
     backend_dir = None if args.tritonserver else python_backend_dir(work_dir)
     cmd = server_command(args, backend_dir)

@@ -8,7 +8,7 @@ addresses are printed. Ctrl-C or SIGTERM drains both at once: each refuses new r
 lets those in flight finish for `--exit_timeout` seconds (default 30), then ends the rest with
 an error; a second signal is passed on, and both end their requests at once. If either child
 exits, the other is stopped and this tool exits non-zero. Children are supervised as
-`tools/supervisor.py` describes: each in its own session, killed by the kernel if this tool dies.
+`inflight/supervisor.py` describes: each in its own session, killed by the kernel if this tool dies.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
 import launch_triton_server  # noqa: E402
-from supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
+from inflight.supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
 
 # Beyond the drain: Triton's own stop, the drain request, slack.
 STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import socket
@@ -316,3 +317,57 @@ def test_sigterm_drains_the_stream_in_flight(server):
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert not any("error" in c for c in chunks), chunks[-1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ----- workers ---------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _two_workers(server) -> tuple[Frontend, list[int]]:
+    handle = Frontend(server.grpc_url, ["--workers", "2"]).wait("/health/ready")
+    deadline = time.monotonic() + 60
+    while len(_children(handle.process.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return handle, _children(handle.process.pid)
+
+
+def test_workers_share_the_port_and_stop_together_on_sigterm(server):
+    handle, workers = _two_workers(server)
+    try:
+        assert len(workers) == 2
+        body = {"model": "ensemble", "prompt": COUNT, "max_tokens": 4, "temperature": 0}
+
+        async def four():
+            async with httpx.AsyncClient(base_url=handle.url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(4)))
+
+        replies = asyncio.run(four())
+        assert [r.status_code for r in replies] == [200] * 4
+        assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
+        handle.process.send_signal(signal.SIGTERM)
+        assert handle.process.wait(timeout=30) == 0
+    finally:
+        handle.stop()
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_a_dead_worker_stops_the_frontend_with_an_error(server):
+    handle, workers = _two_workers(server)
+    try:
+        os.kill(workers[0], signal.SIGKILL)
+        assert handle.process.wait(timeout=30) == 1
+    finally:
+        handle.stop()
+    assert not any(_alive(pid) for pid in workers)

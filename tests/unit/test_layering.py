@@ -20,7 +20,7 @@ TORCH_FREE = [
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
     "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",
     "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
-    "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
+    "inflight.supervisor", "openai_frontend.workers", "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
     "ensemble.errors", "preprocessing", "preprocessing.step_outputs", "postprocessing",
 ]
 HEAVY = ["torch", "transformers", "tokenizers", "safetensors", "tritonclient"]

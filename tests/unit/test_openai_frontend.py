@@ -338,3 +338,16 @@ def test_stream_chunks_are_written_as_pydantic_writes_them(include_usage):
         expected = Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
             CompletionChoice(index=i % 2, text=text, finish_reason=finish)]).model_dump_json(exclude=exclude)
         assert completion.chunk_json(event) == expected
+
+
+def test_workers_auto_rule_and_flag():
+    import pytest as _pytest
+
+    from openai_frontend.__main__ import parse_args
+    from openai_frontend.workers import auto_workers
+
+    assert [auto_workers(n) for n in (1, 2, 7, 8, 12, 16, 64)] == [1, 1, 1, 2, 3, 4, 4]
+    assert parse_args(["--workers", "3"]).workers == 3
+    assert parse_args([]).workers == auto_workers()
+    with _pytest.raises(SystemExit):
+        parse_args(["--workers", "0"])

@@ -1,5 +1,6 @@
 """Supervising child processes: signals handled in one place, children that cannot outlive the
-supervisor, and a stop that leaves nothing behind. Used by tools/launch_triton_server.py.
+supervisor, and a stop that leaves nothing behind. Used by tools/launch_triton_server.py,
+tools/serve.py and the OpenAI frontend's workers (openai_frontend.workers); no torch.
 
 A child is started in its own session (so a terminal's Ctrl-C reaches only the supervisor, which
 decides the order of shutdown) with `preexec_fn=die_with_parent()`. The supervisor installs

@@ -122,7 +122,9 @@ def run_perf_analyzer(binary: str, grpc_url: str, inputs: Path, concurrency: int
            "--measurement-mode", "count_windows", "--measurement-request-count", str(requests_per_window),
            "--stability-percentage", "999", "--profile-export-file", str(export)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    if proc.returncode != 0 or not export.exists():
+    # rc 2: "no stable measurement" (a window with too few requests ending in it, on a slow CPU
+    # engine); the figures here come from the per-request export, not from its stability.
+    if proc.returncode not in (0, 2) or not export.exists():
         raise RuntimeError(f"perf_analyzer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return parse_profile_export(json.loads(export.read_text()), path, concurrency, num_tokens)
 

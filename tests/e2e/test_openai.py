@@ -371,3 +371,23 @@ def test_a_dead_worker_stops_the_frontend_with_an_error(server):
     finally:
         handle.stop()
     assert not any(_alive(pid) for pid in workers)
+
+
+def test_a_worker_that_cannot_start_stops_the_frontend_with_an_error():
+    """Triton unreachable: each worker gives up reading the model's parameters; the parent
+    exits 1 rather than serving with fewer workers."""
+    process = serve.start([sys.executable, "-m", "openai_frontend", "--workers", "2", "--port", "0",
+                           "--triton-url", "127.0.0.1:1", "--triton-timeout-s", "1"])
+    try:
+        assert process.wait(timeout=60) == 1
+    finally:
+        serve.stop(process, timeout_s=5)
+    left = []
+    for proc in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{proc}/cmdline", "rb") as f:
+                if b"127.0.0.1:1\0" in f.read() and _alive(int(proc)):
+                    left.append(proc)
+        except (OSError, ValueError):
+            continue
+    assert not left

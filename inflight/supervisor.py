@@ -5,7 +5,8 @@ tools/serve.py and the OpenAI frontend's workers (openai_frontend.workers); no t
 A child is started in its own session (so a terminal's Ctrl-C reaches only the supervisor, which
 decides the order of shutdown) with `preexec_fn=die_with_parent()`. The supervisor installs
 `StopSignals`, `watch`es its children until a signal or a child's exit, stops what it serves
-gracefully, and ends each child with `terminate`.
+gracefully (`signal_all`, then `stop_all` for several children draining side by side), and ends
+each child with `terminate`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -79,3 +82,27 @@ def terminate(process: subprocess.Popen, timeout_s: float, name: str = "the chil
     except (ProcessLookupError, PermissionError):
         pass
     process.wait()
+
+
+def signal_all(*processes: subprocess.Popen | None) -> None:
+    """SIGTERM to each child still running: they drain side by side."""
+    for process in processes:
+        if process is not None and process.poll() is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:  # exited since the poll
+                pass
+
+
+def stop_all(children: list[subprocess.Popen], timeout_s: float, hurry: threading.Event,
+             name: Callable[[subprocess.Popen], str] = lambda child: f"child {child.pid}") -> None:
+    """Wait for the signalled children to drain and exit, passing each further signal (`hurry`)
+    on to them as another SIGTERM (our launcher then ends its requests at once, uvicorn exits at
+    once); `terminate` each one after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if hurry.wait(0.2):
+            hurry.clear()
+            signal_all(*children)
+    for child in children:
+        terminate(child, 0, name(child))

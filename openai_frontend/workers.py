@@ -23,13 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
-from inflight.supervisor import StopSignals, die_with_parent, terminate, watch
+from inflight.supervisor import StopSignals, die_with_parent, signal_all, stop_all, watch
 
 logger = logging.getLogger("openai_frontend")
 CLEAN_EXITS = (0, -signal.SIGTERM, -signal.SIGINT)  # uvicorn re-raises the signal it handled
-STOP_TIMEOUT_S = 15  # after the drain, for a worker to exit before it is killed
+STOP_TIMEOUT_S = 15  # per stage after the drain (uvicorn's own grace, then exit) before a kill
 CRASH_STOP_S = 5  # for the others to exit once one has died
 
 
@@ -66,32 +65,14 @@ def run(argv: list[str], host: str, port: int, num_workers: int, drain_timeout_s
     logger.info("%d workers on http://%s:%d (pids %s)", num_workers, host, bound[1],
                 " ".join(str(w.pid) for w in workers))
     dead = watch(workers, signals.stop)
+    signal_all(*workers)  # a stop was asked: each drains; or one died: the others end
     if dead is not None:
         logger.error("worker %d exited with code %s; stopping the others", dead.pid, dead.returncode)
-        for worker in workers:
-            _signal(worker, signal.SIGTERM)
-        for worker in workers:
-            terminate(worker, CRASH_STOP_S, f"worker {worker.pid}")
+        stop_all(workers, CRASH_STOP_S, signals.hurry, _name)
         return 1
-    for worker in workers:  # the stop asked for: each drains
-        _signal(worker, signal.SIGTERM)
-    deadline = time.monotonic() + drain_timeout_s + 2 * STOP_TIMEOUT_S
-    hurried = False
-    while any(worker.poll() is None for worker in workers) and time.monotonic() < deadline:
-        if hurried:
-            time.sleep(0.2)
-        elif signals.hurry.wait(0.2):  # a second signal: ends their answers at once
-            hurried = True
-            for worker in workers:
-                _signal(worker, signal.SIGTERM)
-    for worker in workers:
-        terminate(worker, STOP_TIMEOUT_S, f"worker {worker.pid}")
+    stop_all(workers, drain_timeout_s + 3 * STOP_TIMEOUT_S, signals.hurry, _name)
     return 0 if all(worker.returncode in CLEAN_EXITS for worker in workers) else 1
 
 
-def _signal(process: subprocess.Popen, signum: int) -> None:
-    if process.poll() is None:
-        try:
-            process.send_signal(signum)
-        except ProcessLookupError:
-            pass
+def _name(worker: subprocess.Popen) -> str:
+    return f"worker {worker.pid}"

@@ -14,10 +14,8 @@ exits, the other is stopped and this tool exits non-zero. Children are supervise
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -26,7 +24,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
 import launch_triton_server  # noqa: E402
-from inflight.supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
+from inflight.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch  # noqa: E402
 
 # Beyond the drain: Triton's own stop, the drain request, slack.
 STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S
@@ -41,13 +39,6 @@ def start(cmd: list[str]) -> subprocess.Popen:
 def frontend_command(triton_grpc: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "openai_frontend", "--triton-url", triton_grpc, "--host", host,
             "--port", str(port), *(extra or [])]
-
-
-def signal_all(*processes: subprocess.Popen | None) -> None:
-    """SIGTERM to each child still running: they drain side by side."""
-    for process in processes:
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
 
 
 def wait_http_ok(process: subprocess.Popen, url: str, timeout_s: float, what: str) -> None:
@@ -72,18 +63,8 @@ def stop(process: subprocess.Popen | None, timeout_s: float) -> None:
         terminate(process, timeout_s, "the child")
 
 
-def stop_all(children: list[subprocess.Popen], timeout_s: float, hurry: threading.Event) -> None:
-    """Wait for the signalled children to drain and exit, passing a second signal on to each as a
-    second SIGTERM (the launcher then ends its requests at once, uvicorn exits at once); SIGKILL
-    each one's session after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
-        if hurry.wait(0.2):
-            hurry.clear()
-            signal_all(*children)
-    for child in children:
-        terminate(child, 0, "tritonserver's launcher" if "launch_triton_server" in str(child.args)
-                  else "the OpenAI frontend")
+def _name(child: subprocess.Popen) -> str:
+    return "tritonserver's launcher" if "launch_triton_server" in str(child.args) else "the OpenAI frontend"
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -136,7 +117,7 @@ def main(argv=None) -> int:
         # too (and stops listening), and the streams in flight through either go on.
         children = [c for c in (frontend, launcher) if c is not None]
         signal_all(*children)
-        stop_all(children, triton.exit_timeout + STOP_SLACK_S, signals.hurry)
+        stop_all(children, triton.exit_timeout + STOP_SLACK_S, signals.hurry, _name)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from inflight.executor.types import Response, Result
+from inflight.serving.wire import token_response
 
 
 def is_urgent(response: Response) -> bool:
@@ -36,9 +37,8 @@ class _Tokens:
         self.num_output_tokens = num_output_tokens
 
     def response(self, stub_id: int) -> Response:
-        return Response(stub_id, result=Result(
-            output_token_ids=[self.token_ids], sequence_index=self.sequence_index,
-            num_input_tokens=self.num_input_tokens, num_output_tokens=self.num_output_tokens))
+        return token_response(stub_id, self.sequence_index, self.token_ids, self.num_input_tokens,
+                              self.num_output_tokens)
 
 
 class Outbox:

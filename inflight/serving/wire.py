@@ -158,14 +158,19 @@ def is_plain(response: Response) -> bool:
             and r.finish_reasons[0] is _NOT_FINISHED)
 
 
+def token_response(request_id: int, sequence_index: int, token_ids: list[int], num_input_tokens: int,
+                   num_output_tokens: int) -> Response:
+    """A plain chunk of `token_ids` (not final, nothing else asked for) as a Response."""
+    return Response(request_id, result=Result(
+        output_token_ids=[token_ids], sequence_index=sequence_index,
+        num_input_tokens=num_input_tokens, num_output_tokens=num_output_tokens))
+
+
 def compact_response(chunk: tuple) -> Response:
     """A compact chunk `(request id, sequence index, token, input tokens, output tokens)` (see
     `RequestState.stream_chunk`) as the Response it stands for."""
     request_id, sequence_index, token, num_input_tokens, num_output_tokens = chunk
-    return Response(request_id, result=Result(
-        is_final=False, output_token_ids=[[token]], finish_reasons=[_NOT_FINISHED],
-        sequence_index=sequence_index, is_sequence_final=False,
-        num_input_tokens=num_input_tokens, num_output_tokens=num_output_tokens))
+    return token_response(request_id, sequence_index, [token], num_input_tokens, num_output_tokens)
 
 
 def split_plain(routed: list[tuple[int, Response | tuple]]) -> tuple[list, bytes | None]:

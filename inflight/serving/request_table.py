@@ -45,6 +45,7 @@ from inflight.executor.types import FinishReason, Response
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox
+from inflight.serving.poll_turns import PollTurns
 from inflight.serving.timings import Timings
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
@@ -52,10 +53,6 @@ _REJECTION_CODES = {wire.QUEUE_FULL: UNAVAILABLE, wire.INVALID: INVALID_ARG}
 BEHIND_S = 0.15  # > the detokenizer's acknowledgement period (postprocessing/1/model.py)
 HELD_POLL_S = 0.005  # how often held streams are looked at again
 SEND_SLICE_S = 0.02  # the responder runs posted work and re-reads the detokenizer's lag this often
-# `is_cancelled` is a round trip to the server on the channel the responses use; asking each
-# of 256 streams every 100 ms took 2,560 of them a second, and each response then waited
-# ~6 ms to go out (H100 host). Above this many live requests a period asks only this many.
-MAX_CANCEL_CHECKS_PER_PERIOD = 25
 DEAD_MESSAGE = "the engine has stopped and the model is being unloaded; see the server log"
 
 
@@ -103,7 +100,7 @@ class RequestTable:
         self.latest_stats = None
         self.outbox = Outbox()  # the engine's responses not sent yet (responder only)
         self.timings = timings or Timings()  # off unless asked for (inflight.serving.timings)
-        self._next_poll = 0  # where the next cancellation poll starts among the live requests
+        self.poll_turns = PollTurns()
         self.posted: deque = deque()  # work for the responder thread (`post`)
         self._wake = getattr(engine, "wake", None)
 
@@ -174,8 +171,8 @@ class RequestTable:
 
     def poll_cancelled(self) -> None:
         """Cancel the requests whose client cancelled (direct calls; see delivery for the
-        ensemble's) or whose `timeout` has passed. One Triton call per request in flight, at
-        most `MAX_CANCEL_CHECKS_PER_PERIOD` per call, taking turns."""
+        ensemble's) or whose `timeout` has passed. One Triton call per request in flight, a
+        bounded number per call, taking turns (`inflight.serving.poll_turns`)."""
         with self.lock:
             overdue = [(self.by_key[k], t) for k, t in self.deadlines.overdue(time.monotonic())
                        if k in self.by_key]
@@ -184,11 +181,7 @@ class RequestTable:
                                                                 deadlines.TIMEOUT_CODE))
         with self.lock:
             live = list(dict.fromkeys(self.by_stub_id.values()))  # oldest first
-        if len(live) > MAX_CANCEL_CHECKS_PER_PERIOD:  # take turns: each is asked every few periods
-            start = self._next_poll % len(live)
-            live = (live[start:] + live[:start])[:MAX_CANCEL_CHECKS_PER_PERIOD]
-            self._next_poll = start + MAX_CANCEL_CHECKS_PER_PERIOD
-        for pending in live:
+        for pending in self.poll_turns.pick(live):
             with pending.lock:
                 if pending.is_done or pending.is_client_cancelled:
                     continue

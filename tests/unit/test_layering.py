@@ -18,7 +18,7 @@ TORCH_FREE = [
     "inflight.core.outputs", "inflight.core.beam_search", "inflight.executor.types", "inflight.executor.config",
     "inflight.executor.stats", "inflight.executor.features", "inflight.serving.convert",
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
-    "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table",
+    "inflight.serving.backend", "inflight.serving.wire", "inflight.serving.request_table", "inflight.serving.poll_turns",
     "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
     "inflight.supervisor", "openai_frontend.workers", "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
     "ensemble.errors", "preprocessing", "preprocessing.step_outputs", "postprocessing",

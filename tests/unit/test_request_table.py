@@ -152,10 +152,8 @@ def test_client_cancel_is_polled(table):
     assert table.engine.cancelled == [row]
 
 
-def test_many_live_requests_are_polled_in_turns_of_a_bounded_size(table, monkeypatch):
-    import inflight.serving.request_table as request_table
-
-    monkeypatch.setattr(request_table, "MAX_CANCEL_CHECKS_PER_PERIOD", 2)
+def test_many_live_requests_are_polled_in_turns_of_a_bounded_size(table):
+    table.poll_turns.max_per_period = 2
     senders = [add(table, user_id=str(i))[0] for i in range(5)]
     asked = []
     table.sink.is_cancelled = lambda sender: asked.append(senders.index(sender)) or False

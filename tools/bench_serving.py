@@ -141,9 +141,13 @@ def print_stats_delta(label: str, before: dict, after: dict) -> None:
               f"{ms('queue'):9.3f} {compute:9.3f}", flush=True)
 
 
+def by_concurrency(levels: list, path: str) -> dict:
+    """The levels of one path, by concurrency."""
+    return {lv.concurrency: lv for lv in levels if lv.path == path}
+
+
 def report(levels: list) -> None:
-    base = {lv.concurrency: lv for lv in levels if lv.path == "in process"}
-    staggered = {lv.concurrency: lv for lv in levels if lv.path == "in process, staggered"}
+    base, staggered = by_concurrency(levels, "in process"), by_concurrency(levels, "in process, staggered")
     for lv in levels:
         ref = base.get(lv.concurrency)
         ratio = ""
@@ -164,8 +168,7 @@ def report(levels: list) -> None:
 
 def verdicts(levels: list, targets: dict) -> list[str]:
     """Issue 10's targets, each MET or MISSED (or not measured) in this run."""
-    base = {lv.concurrency: lv for lv in levels if lv.path == "in process"}
-    streaming = {lv.concurrency: lv for lv in levels if lv.path == "Triton streaming"}
+    base, streaming = by_concurrency(levels, "in process"), by_concurrency(levels, "Triton streaming")
     lines = []
     for c in targets.get("tok_s", ()):
         if c in streaming and c in base:
@@ -182,7 +185,7 @@ def verdicts(levels: list, targets: dict) -> list[str]:
             delta = streaming[c].ttft_p50_ms - base[c].ttft_p50_ms
             lines.append(f"c={c} streaming TTFT p50 {delta:+.1f} ms vs in process (target <= +5 ms): "
                          f"{'MET' if delta <= 5.0 else 'MISSED'}")
-    spread = {lv.concurrency: lv for lv in levels if lv.path == "in process, staggered"}
+    spread = by_concurrency(levels, "in process, staggered")
     for c in targets.get("tok_s", ()):
         if c in streaming and c in spread:
             lines.append(f"c={c} streaming tok/s {streaming[c].tok_per_s / spread[c].tok_per_s:.3f}x, ITL p50 "

@@ -98,13 +98,14 @@ def first_token_stages(headers, stamps) -> list[tuple[int, dict[str, float], lis
 
 
 def stub_timings(log: Path, offset: int) -> tuple[int, list[str]]:
-    """The engine model's timing lines (inflight.serving.timings) written since `offset`."""
+    """The engine model's timing lines, its stub's and its engine process's
+    (inflight.serving.timings), written since `offset`."""
     with open(log, errors="replace") as f:
         f.seek(offset)
         text = f.read()
         end = f.tell()
-    return end, [line[line.index("stub timings"):].rstrip('"')
-                 for line in text.splitlines() if "stub timings" in line]
+    return end, [line[line.index(f"{who} timings"):].rstrip('"') for line in text.splitlines()
+                 for who in ("stub", "engine") if f"{who} timings" in line]
 
 
 def pct(values: list[float], q: float) -> float:

@@ -52,6 +52,9 @@ class RowState:
     options: RequestOptions
     request_key: int = 0  # unique per Triton request; see ensemble.io_contract.CANCEL_KEY_PREFIX
     has_sent: bool = False  # a response of this row went out (its first is sent first: outbox)
+    # Monotonic times for inflight.serving.timings' first-token split (0.0: not stamped).
+    submitted_s: float = 0.0
+    taken_s: float = 0.0  # its first response came from the engine
     # Per sequence_index, generated tokens already sent (last CONTEXT_TOKENS only): the next
     # chunk's context.
     context_ids: dict[int, list[int]] = field(default_factory=dict)

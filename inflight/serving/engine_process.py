@@ -36,6 +36,7 @@ import zmq
 
 from inflight.serving import metrics, wire
 from inflight.serving.stub_ids import StubIds
+from inflight.serving.timings import Timings
 
 logger = logging.getLogger("inflight.engine_process")
 
@@ -85,10 +86,13 @@ class EngineLoop:
         self.last_stats_s = 0.0
         self.stats_dirty = True  # something changed since the last stats sent
         self.has_stepped = False  # a step ran since the last idle snapshot
+        self.timings = Timings.from_env("engine")  # a diagnostic (inflight.serving.timings)
+        self.added_s: dict[int, float] = {}  # engine id -> when its ADD was read (timings on)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.commands, zmq.POLLIN)
+        timed = self.timings.timed
         while True:
             if not self.engine.has_unfinished():
                 self._publish_idle_stats()
@@ -97,12 +101,27 @@ class EngineLoop:
                         return
                     continue
             out: list = []
-            if not self._take_commands(out):
-                return
+            with timed("commands"):
+                if not self._take_commands(out):
+                    return
             if self.engine.has_unfinished():
-                out.extend(self.engine.step())
+                with timed("step"):
+                    out.extend(self.engine.step())
                 self.stats_dirty = self.has_stepped = True
-            self._publish(out)
+            with timed("publish"):
+                self._publish(out)
+            if self.timings.is_on:
+                self._time_first_tokens(out)
+
+    def _time_first_tokens(self, out: list) -> None:
+        now = time.monotonic()
+        for item in out:  # Responses, or compact chunks (request id first)
+            added_s = self.added_s.pop(item[0] if isinstance(item, tuple) else item.request_id, None)
+            if added_s is not None:
+                self.timings.add("first.token", now - added_s)
+        report = self.timings.report(now)
+        if report is not None:
+            print(f"[inflight engine] {report}", file=sys.stderr, flush=True)
 
     # ----- commands ------------------------------------------------------------------------
 
@@ -134,11 +153,14 @@ class EngineLoop:
                 request.client_id = stub_id
                 engine_id = self.engine.add_request(request)
                 added.append(engine_id)
+                if self.timings.is_on:
+                    self.added_s[engine_id] = time.monotonic()
                 self.ids.add(engine_id, stub_id)
         except Exception as exc:
             for engine_id in added:
                 self.engine.cancel(engine_id)
                 self.ids.forget(engine_id)
+                self.added_s.pop(engine_id, None)
             kind = (wire.QUEUE_FULL if isinstance(exc, QueueFullError)
                     else wire.INVALID if isinstance(exc, RequestError) else "internal")
             message = str(exc) if kind != "internal" else f"{type(exc).__name__}: {exc}"

@@ -123,6 +123,9 @@ class RequestTable:
             self.by_key[pending.key] = pending
             self.delivery.open(pending.key)
             self.deadlines.add(pending.key, time.monotonic(), timeout_s)
+            if self.timings.is_on:
+                for row in pending.rows.values():
+                    row.submitted_s = time.monotonic()
             try:
                 self.engine.submit(rows)  # under the lock: a stop right after finds the rows
             except Exception:
@@ -250,11 +253,11 @@ class RequestTable:
                     for stub_id, response in event[1]:
                         pending = self.by_stub_id.get(stub_id)
                         if pending is not None:
-                            self.outbox.put(stub_id, response, not pending.rows[stub_id].has_sent)
+                            self.outbox.put(stub_id, response, self._is_first(pending, stub_id))
                     for stub_id, *token in (event[3] if len(event) > 3 else ()):
                         pending = self.by_stub_id.get(stub_id)
                         if pending is not None:
-                            self.outbox.put_token(stub_id, *token, not pending.rows[stub_id].has_sent)
+                            self.outbox.put_token(stub_id, *token, self._is_first(pending, stub_id))
                 if event[2] is not None:
                     self.latest_stats = event[2]
             elif event[0] == "rejected":
@@ -262,6 +265,16 @@ class RequestTable:
             elif event[0] == "dead":
                 dead = event[1]
         return dead
+
+    def _is_first(self, pending: Pending, stub_id: int) -> bool:
+        """Has this row sent nothing yet? (Stamps when its first response came, for timings.)"""
+        row = pending.rows[stub_id]
+        if row.has_sent:
+            return False
+        if self.timings.is_on and not row.taken_s:
+            row.taken_s = time.monotonic()
+            self.timings.add("first.engine", row.taken_s - row.submitted_s)
+        return True
 
     def _may_wait(self, stub_id: int) -> bool:
         """The detokenizer is behind: may this row's new tokens wait here, merged?"""
@@ -311,6 +324,9 @@ class RequestTable:
         else:
             with self.timings.timed("convert"):
                 tensors = convert.response_tensors(response, pending.rows[stub_id])
+            row = pending.rows[stub_id]
+            if row.taken_s and not row.has_sent:
+                self.timings.add("first.outbox", time.monotonic() - row.taken_s)
             with self.lock:
                 chunk = self.delivery.sending(pending.key)
             try:
@@ -321,7 +337,7 @@ class RequestTable:
                     self.delivery.unsent(pending.key, chunk)
                 raise
             self.delivery.sent(chunk, time.monotonic())
-            pending.rows[stub_id].has_sent = True
+            row.has_sent = True
 
     def _forget(self, pending: Pending) -> None:
         """Drop a request from the indexes; the caller holds `lock`."""

@@ -6,6 +6,12 @@ taken, executes) and how long they took, e.g.
 
     stub timings over 2.0 s: send 812/s 1.21 ms mean 9.03 max | is_cancelled 250/s ...
 
+and the engine process (`inflight.serving.engine_process`) logs an `engine timings` line alike.
+A request's first token is split across them: `first.engine` (stub: submitted → its first
+response taken from the engine's events), `first.outbox` (stub: taken → its send starts) and,
+inside the first, `first.token` (engine process: its ADD read → its first response out of a
+step) beside `step`, `commands` and `publish` (the engine loop's turns).
+
 Each send and question is a synchronous round trip to the server, so their mean time is what
 the responder's pace rests on (tools/serving_trace.py prints these lines beside its stages).
 Thread-safe.
@@ -22,18 +28,19 @@ ENV_VAR = "INFLIGHT_TIMINGS_S"
 
 
 class Timings:
-    def __init__(self, period_s: float = 0.0) -> None:
+    def __init__(self, period_s: float = 0.0, label: str = "stub") -> None:
         self.period_s = period_s
+        self.label = label
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}  # name -> [count, total s, max s]
         self._since_s = time.monotonic()
 
     @classmethod
-    def from_env(cls) -> Timings:
+    def from_env(cls, label: str = "stub") -> Timings:
         try:
-            return cls(float(os.environ.get(ENV_VAR, "0") or 0))
+            return cls(float(os.environ.get(ENV_VAR, "0") or 0), label)
         except ValueError:
-            return cls(0.0)
+            return cls(0.0, label)
 
     @property
     def is_on(self) -> bool:
@@ -67,4 +74,4 @@ class Timings:
             stats, self._stats, self._since_s = self._stats, {}, now_s
         cells = [f"{name} {count / span_s:.0f}/s {1e3 * total / count:.2f} ms mean {1e3 * peak:.2f} max"
                  for name, (count, total, peak) in sorted(stats.items())]
-        return f"stub timings over {span_s:.1f} s: " + (" | ".join(cells) or "idle")
+        return f"{self.label} timings over {span_s:.1f} s: " + (" | ".join(cells) or "idle")

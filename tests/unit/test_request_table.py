@@ -290,3 +290,20 @@ def test_a_timer_posts_its_work_once_while_it_waits(table):
     table.post(work, once=True)
     table.respond(0)
     assert runs == [1, 1]
+
+
+def test_timings_split_a_first_token_into_engine_and_outbox_time():
+    from inflight.serving.timings import Timings
+
+    table = RequestTable(FakeEngine(), FakeSink(), timings=Timings(period_s=3600.0))
+    sender, [row] = add(table)
+    table.engine.events = [("step", [(row, chunk(row, [10]))], None)]
+    table.respond(0)
+    table.engine.events = [("step", [(row, chunk(row, [11], final=True, reason=FinishReason.LENGTH))], None)]
+    table.respond(0)
+    assert len(sender.sent) == 2
+    line = table.timings.report(now_s=float("inf"))
+    assert line.startswith("stub timings over")
+    for name in ("first.engine", "first.outbox", "send"):
+        assert f"{name} " in line
+    assert Timings(1.0, "engine").report(now_s=float("inf")).startswith("engine timings")

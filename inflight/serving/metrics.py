@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 from pathlib import Path
 
 from inflight.executor.stats import IterationStats
@@ -89,6 +90,7 @@ class TritonMetrics:
         self.labels = {"model": model_name, "version": str(model_version)}
         self.gauges, self.histograms, self.families, self.metrics = {}, {}, [], {}
         self.values: dict[tuple[str, str], float] = {}  # as last set
+        self.observe_lock = threading.Lock()  # send lanes finish requests at once
         try:
             for name, (label_key, description) in GAUGE_FAMILIES.items():
                 family = pb_utils.MetricFamily(name=name, description=description,
@@ -108,8 +110,9 @@ class TritonMetrics:
     def observe(self, result) -> None:
         """Token lengths of one finished request."""
         if self.histograms:
-            self.histograms["nv_llm_input_token_len"].observe(result.num_input_tokens)
-            self.histograms["nv_llm_output_token_len"].observe(result.num_output_tokens)
+            with self.observe_lock:
+                self.histograms["nv_llm_input_token_len"].observe(result.num_input_tokens)
+                self.histograms["nv_llm_output_token_len"].observe(result.num_output_tokens)
 
     def publish(self, stats: IterationStats | None) -> None:
         if not self.gauges or stats is None:

@@ -46,9 +46,6 @@ DEFAULTS = {
     "executor_backend": "builtin",
     # The engine in a process of its own, off the python stub's interpreter lock (builtin only).
     "engine_process": "true",
-    # Threads that send the engine model's responses at once (a send is a round trip to the
-    # server); 0: its responder thread sends them all.
-    "send_threads": "4",
     "batching_strategy": "inflight_fused_batching",
     # Beam search costs nothing until a request asks for it (its blocks and rows are reserved
     # then), so `make serve` takes NVIDIA's clients' `--beam-width 2` as it is.

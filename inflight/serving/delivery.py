@@ -8,12 +8,11 @@ acknowledges, every few tens of milliseconds, how many chunks of each stream (na
 request key) it has decoded so far, and whether it has been idle (`drained_before`).
 
 Two facts then prove a chunk was dropped, i.e. its stream was cancelled:
-* order: the chunks of one send lane (`inflight.serving.send_lanes`: one thread, sending one
-  chunk after the other) reach the detokenizer's queue in the order the lane sent them (in
-  Triton 2.51 the ensemble enqueues the next step before the send returns), and one instance
-  with a FIFO dynamic batcher decodes them in that order, skipping only the dropped ones. So
-  once a chunk that its lane sent later has been acknowledged, an earlier unacknowledged one
-  was dropped. (Lanes send at once, so across lanes the order says nothing);
+* order: chunks reach the detokenizer's queue in the order this model sent them (one thread
+  sends; in Triton 2.51 the ensemble enqueues the next step before the send returns), and one
+  instance with a FIFO dynamic batcher decodes them in that order, skipping only the dropped
+  ones. So once a chunk sent later has been acknowledged, an earlier unacknowledged one was
+  dropped;
 * quiet: if the detokenizer started no execute since `drained_before` (a time on the machine's
   monotonic clock, which all processes share), every chunk sent before then was decoded, and
   so acknowledged, or dropped.
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 @dataclass
 class Chunk:
     seq: int
-    lane: int = 0  # the send lane (thread) that sends it
     sent_s: float = float("inf")  # when its send returned; +inf while it is being sent
 
 
@@ -49,20 +47,19 @@ class DeliveryTracker:
     def __init__(self) -> None:
         self._streams: dict[int, _Stream] = {}
         self._next_seq = 0
-        self._high_water: dict[int, int] = {}  # lane -> highest sequence number acknowledged
+        self._high_water = 0  # highest sequence number acknowledged
         self._drained_before = float("-inf")
 
     def open(self, key: int) -> None:
         """Start tracking a stream (its request was admitted); `forget` ends it."""
         self._streams[key] = _Stream()
 
-    def sending(self, key: int, lane: int = 0) -> Chunk:
-        """A chunk of stream `key` is about to be sent by `lane` (a stream's chunks all go by
-        one lane). Numbered before the send, since the detokenizer may acknowledge it before
-        the send returns; then `sent` or `unsent`. Chunks of streams not open (the last one,
-        sent after `forget`) only take a number."""
+    def sending(self, key: int) -> Chunk:
+        """A chunk of stream `key` is about to be sent. Numbered before the send, since the
+        detokenizer may acknowledge it before the send returns; then `sent` or `unsent`.
+        Chunks of streams not open (the last one, sent after `forget`) only take a number."""
         self._next_seq += 1
-        chunk = Chunk(self._next_seq, lane)
+        chunk = Chunk(self._next_seq)
         stream = self._streams.get(key)
         if stream is not None and not stream.is_exempt:
             stream.unacked.append(chunk)
@@ -103,8 +100,7 @@ class DeliveryTracker:
             stream.is_tracked = True
             while stream.num_acked < count and stream.unacked:
                 stream.num_acked += 1
-                chunk = stream.unacked.popleft()
-                self._high_water[chunk.lane] = max(self._high_water.get(chunk.lane, 0), chunk.seq)
+                self._high_water = max(self._high_water, stream.unacked.popleft().seq)
         if drained_before is not None:
             self._drained_before = max(self._drained_before, drained_before)
         if not may_drop:
@@ -114,7 +110,7 @@ class DeliveryTracker:
             if not stream.unacked:
                 continue
             first = stream.unacked[0]
-            if first.seq < self._high_water.get(first.lane, 0) or first.sent_s < self._drained_before:
+            if first.seq < self._high_water or first.sent_s < self._drained_before:
                 if stream.is_tracked:
                     dropped.append(key)
                 else:

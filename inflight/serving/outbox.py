@@ -69,18 +69,13 @@ class Outbox:
         if is_first:
             self._urgent.setdefault(stub_id, None)
 
-    def pop_next(self, may_wait: Callable[[int], bool],
-                 can_send: Callable[[int], bool] = lambda stub_id: True) -> tuple[int, list[Response]] | None:
+    def pop_next(self, may_wait: Callable[[int], bool]) -> tuple[int, list[Response]] | None:
         """The next row to send and its responses (merged), or None. `may_wait(stub_id)`: this row may
-        stay (the detokenizer holds a chunk of it); never asked of urgent rows. `can_send(stub_id)`:
-        false while the row's send lane is full (`inflight.serving.send_lanes`); the row keeps
-        its place."""
-        stub_id = next((i for i in self._urgent if can_send(i)), None)
+        stay (the detokenizer holds a chunk of it); never asked of urgent rows."""
+        stub_id = next(iter(self._urgent), None)
         if stub_id is None:
             skipped = []
             for i in self._rows:
-                if i in self._urgent or not can_send(i):
-                    continue
                 if not may_wait(i):
                     stub_id = i
                     break

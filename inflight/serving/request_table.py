@@ -7,14 +7,13 @@ sender. The table gives every batch row a stub id, submits the rows to the engin
 one cancellation poller (`poll_cancelled`: client cancels and `timeout`s, see
 `inflight.serving.deadlines`) and the adapter's housekeeping (`tick`).
 
-Who sends: the engine's responses go out through a few send lanes (`inflight.serving.send_lanes`,
-`num_send_lanes` threads; 0: the responder sends them itself). A send is a synchronous round
-trip to the server, so lanes overlap them; every request belongs to one lane, so its responses
-never overtake each other and two threads never send for one request at once (`Pending.lock`
-orders them besides). Other threads `post` their sends (an error or stop answer from
-`execute`, a drain tick) and the responder runs them between engine turns, woken at once. The
-poller only asks `is_cancelled`, under the request's lock, never after its final was sent
-(posting its many questions here would hold up the responses).
+One thread sends: every response goes out from the responder. Other threads `post` their
+sends (an error or stop answer from `execute`, a drain tick) and the responder runs them
+between engine turns, woken at once. A send is a synchronous round trip to the server, and two
+threads sending at once (for one request or two) was the prime suspect of issue 13's heap
+corruption; with one thread no two sends ever overlap. The poller only asks `is_cancelled`,
+under the request's lock, never after its final was sent (posting its many questions here
+would hold up the responses).
 
 Send what is ready: the responder gathers the engine's responses per row in an `Outbox` and
 sends one row at a time, its waiting chunks merged (tokens and log probs concatenated, the last
@@ -47,7 +46,6 @@ from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox
 from inflight.serving.poll_turns import PollTurns
-from inflight.serving.send_lanes import SendLanes
 from inflight.serving.timings import Timings
 
 INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
@@ -83,15 +81,14 @@ class Pending:
     # set, under it, before the final send.
     lock: threading.Lock = field(default_factory=threading.Lock)
     is_done: bool = False
-    lane: int = 0  # its send lane
 
 
 class RequestTable:
-    def __init__(self, engine, sink: Sink, on_final=None, timings: Timings | None = None,
-                 num_send_lanes: int = 0):
+    def __init__(self, engine, sink: Sink, on_final=None, timings: Timings | None = None):
         self.engine = engine
         self.sink = sink
-        self.on_final = on_final or (lambda result: None)  # token-length histograms
+        # A finished row's result (token-length histograms): called under `lock`, so quick.
+        self.on_final = on_final or (lambda result: None)
         self.lock = threading.Lock()
         self.by_stub_id: dict[int, Pending] = {}
         self.by_user_id: dict[str, set] = {}
@@ -107,9 +104,6 @@ class RequestTable:
         self.poll_turns = PollTurns()
         self.posted: deque = deque()  # work for the responder thread (`post`)
         self._wake = getattr(engine, "wake", None)
-        self.lanes = (SendLanes(num_send_lanes, self._deliver, self._wake or (lambda: None), sink.warn)
-                      if num_send_lanes > 0 else None)
-        self.lane_turns = itertools.count()
 
     # ----- requests in ---------------------------------------------------------------------
 
@@ -119,8 +113,7 @@ class RequestTable:
         sink, an engine rejection included. `timeout_s` > 0: cancel it once that has passed."""
         with self.lock:
             pending = Pending(sender, user_id, control.new_request_key(self.by_key),
-                              num_open_rows=len(requests),
-                              lane=next(self.lane_turns) % len(self.lanes) if self.lanes else 0)
+                              num_open_rows=len(requests))
             rows = []
             for index, request in enumerate(requests):
                 stub_id = next(self.stub_ids)
@@ -235,23 +228,15 @@ class RequestTable:
         may_wait = self._may_wait if is_behind else (lambda stub_id: False)
         slice_end_s = time.monotonic() + SEND_SLICE_S
         while dead is None and time.monotonic() < slice_end_s:
-            if self.lanes is None:
-                row = self.outbox.pop_next(may_wait)
-            else:
-                row = self.lanes.has_any_room() and self.outbox.pop_next(may_wait, self._lane_has_room)
-            if not row:
+            row = self.outbox.pop_next(may_wait)
+            if row is None:
                 break
-            if self.lanes is None:
-                for response in row[1]:
-                    self._deliver(row[0], response)
-            else:
-                self.lanes.put(self._lane_of(row[0]), *row)
+            for response in row[1]:
+                self._deliver(row[0], response)
             with self.timings.timed("take"):
                 dead = self._take(self.engine.receive(0))
             self.run_posted()
         if dead is not None:
-            if self.lanes is not None:
-                self.lanes.wait_idle(timeout_s=5.0)  # what they hold goes first
             for stub_id, responses in self.outbox.pop_all():
                 for response in responses:
                     self._deliver(stub_id, response)
@@ -292,13 +277,6 @@ class RequestTable:
             self.timings.add("first.engine", row.taken_s - row.submitted_s)
         return True
 
-    def _lane_of(self, stub_id: int) -> int:
-        pending = self.by_stub_id.get(stub_id)  # one dict read: no lock needed
-        return pending.lane if pending is not None else 0
-
-    def _lane_has_room(self, stub_id: int) -> bool:
-        return self.lanes.has_room(self._lane_of(stub_id))
-
     def _may_wait(self, stub_id: int) -> bool:
         """The detokenizer is behind: may this row's new tokens wait here, merged?"""
         with self.lock:
@@ -318,15 +296,14 @@ class RequestTable:
             pending = self.by_stub_id.get(stub_id)
             if pending is None:
                 return
-            is_row_end = response.has_error() or response.result.is_final
-            if is_row_end:
+            if response.has_error() or response.result.is_final:
                 del self.by_stub_id[stub_id]
                 pending.num_open_rows -= 1
+                if not response.has_error():
+                    self.on_final(response.result)  # must be quick: it runs on the responder
             is_last = pending.num_open_rows == 0
             if is_last:
                 self._forget(pending)
-        if is_row_end and not response.has_error():
-            self.on_final(response.result)  # round trips to the server: not under the lock
         with pending.lock:
             if pending.is_done:
                 return
@@ -352,7 +329,7 @@ class RequestTable:
             if row.taken_s and not row.has_sent:
                 self.timings.add("first.outbox", time.monotonic() - row.taken_s)
             with self.lock:
-                chunk = self.delivery.sending(pending.key, pending.lane)
+                chunk = self.delivery.sending(pending.key)
             try:
                 with self.timings.timed("send"):
                     self.sink.send_tensors(pending.sender, tensors, final=is_last)
@@ -429,10 +406,7 @@ class RequestTable:
                 self.sink.warn(f"answering a drain request failed: {exc}")
 
     def close(self) -> None:
-        """After the responder has stopped: let the lanes send what they hold, answer what was
-        posted, then end everything."""
-        if self.lanes is not None:
-            self.lanes.stop()
+        """After the responder has stopped: answer what was posted, then end everything."""
         self.run_posted()
         self.fail_all("the model is being unloaded", UNAVAILABLE)
         with self.lock:

@@ -7,8 +7,8 @@ from inflight.serving.delivery import DeliveryTracker
 from postprocessing.acks import AckLedger
 
 
-def send(tracker, key, now_s=0.0, lane=0):
-    tracker.sent(tracker.sending(key, lane), now_s)
+def send(tracker, key, now_s=0.0):
+    tracker.sent(tracker.sending(key), now_s)
 
 
 def test_a_later_acknowledged_chunk_proves_an_earlier_one_dropped():
@@ -21,20 +21,6 @@ def test_a_later_acknowledged_chunk_proves_an_earlier_one_dropped():
     assert tracker.acked({2: 2}) == [1]
     send(tracker, 2)
     assert tracker.acked({2: 3}) == []  # a stream is reported once
-
-
-def test_order_is_judged_within_a_send_lane_only():
-    """Two lanes send at once: a chunk of lane 1 numbered later may reach the detokenizer
-    first, so its acknowledgement proves nothing about lane 0's chunks."""
-    tracker = DeliveryTracker()
-    for key in (1, 2, 3):
-        tracker.open(key)
-    send(tracker, 1, lane=0), send(tracker, 2, lane=1), send(tracker, 3, lane=0)
-    assert tracker.acked({1: 1, 2: 1, 3: 1}) == []
-    send(tracker, 1, lane=0), send(tracker, 2, lane=1)  # 1's still queued when 2's is decoded
-    assert tracker.acked({2: 2}) == []
-    send(tracker, 3, lane=0)  # lane 0's later chunk decoded: 1's was dropped
-    assert tracker.acked({3: 2}) == [1]
 
 
 def test_a_detokenizer_that_sees_every_chunk_proves_nothing_dropped():

@@ -67,22 +67,9 @@ def chunk(stub_id, tokens, final=False, log_probs=None, reason=FinishReason.NOT_
         num_input_tokens=3, num_output_tokens=total or len(tokens)))
 
 
-@pytest.fixture(params=[0, 2], ids=["responder-sends", "2-send-lanes"])
-def table(request):
-    """Both ways of sending; with lanes, `respond` returns once they have sent what it handed
-    them, so that tests read the sends as with the responder sending."""
-    table = RequestTable(FakeEngine(), FakeSink(), num_send_lanes=request.param)
-    if table.lanes is not None:
-        respond = table.respond
-
-        def respond_and_wait(timeout_s):
-            respond(timeout_s)
-            assert table.lanes.wait_idle(timeout_s=5.0)
-
-        table.respond = respond_and_wait
-    yield table
-    if table.lanes is not None:
-        table.lanes.stop()
+@pytest.fixture
+def table():
+    return RequestTable(FakeEngine(), FakeSink())
 
 
 def add(table, options=STREAM, num_rows=1, user_id="u"):
@@ -191,8 +178,6 @@ def test_dropped_chunks_of_an_acknowledged_stream_cancel_it(table):
     live, [row_live] = add(table)
     key_gone = next(p.key for p in table.by_key.values() if p.sender is gone)
     key_live = next(p.key for p in table.by_key.values() if p.sender is live)
-    for pending in table.by_key.values():  # order proves a drop only within a lane (delivery)
-        pending.lane = 0
     table.engine.events = [("step", [(row_gone, chunk(row_gone, [1])), (row_live, chunk(row_live, [1]))], None)]
     table.respond(0)
     table.ack({key_gone: 1, key_live: 1}, None)
@@ -322,52 +307,3 @@ def test_timings_split_a_first_token_into_engine_and_outbox_time():
     for name in ("first.engine", "first.outbox", "send"):
         assert f"{name} " in line
     assert Timings(1.0, "engine").report(now_s=float("inf")).startswith("engine timings")
-
-
-class SlowSink(FakeSink):
-    """Each send takes a while and records how many run at once, overall and per request."""
-
-    def __init__(self):
-        import threading
-
-        self.lock = threading.Lock()
-        self.in_flight: dict[int, int] = {}
-        self.max_in_flight = 0
-
-    def send_tensors(self, sender, tensors, final):
-        import time
-
-        with self.lock:
-            assert not self.in_flight.get(id(sender)), "two sends at once for one request"
-            self.in_flight[id(sender)] = 1
-            self.max_in_flight = max(self.max_in_flight, sum(self.in_flight.values()))
-        time.sleep(0.002)
-        super().send_tensors(sender, tensors, final)
-        with self.lock:
-            self.in_flight[id(sender)] = 0
-
-
-def test_send_lanes_overlap_sends_but_keep_each_request_in_order():
-    import time
-
-    sink = SlowSink()
-    table = RequestTable(FakeEngine(), sink, num_send_lanes=3)
-    streams = [add(table) for _ in range(12)]
-    num_tokens = 6
-    for step in range(num_tokens):
-        is_last = step == num_tokens - 1
-        table.engine.events.append(("step", [(row, chunk(row, [100 + step], final=is_last, total=step + 1,
-                                                         reason=FinishReason.LENGTH if is_last
-                                                         else FinishReason.NOT_FINISHED))
-                                             for _, [row] in streams], None))
-        table.respond(0)
-    deadline = time.monotonic() + 10
-    while not all(sender.is_closed for sender, _ in streams) and time.monotonic() < deadline:
-        table.respond(0.01)
-    table.close()
-    for sender, _ in streams:
-        tokens = [t for _, tensors, _ in sender.sent for t in tensors["output_ids"].reshape(-1).tolist()]
-        assert tokens == [100 + i for i in range(num_tokens)]
-        assert [final for _, _, final in sender.sent][-1] and sum(f for _, _, f in sender.sent) == 1
-    assert sink.max_in_flight > 1  # the lanes did send at once
-    assert not table.by_key and not table.by_stub_id

@@ -52,3 +52,20 @@ def test_close_releases_every_family_and_metric():
     gc.collect()
     alive = [ref() for ref in _FakeFamily.made if ref() is not None]
     assert not alive, f"still referenced after close(): {alive}"
+
+
+
+def test_token_lengths_are_observed_by_the_housekeeper_not_the_caller(monkeypatch):
+    """Each observation is a round trip to the server: `observe` (the responder, per finished
+    request) only keeps the lengths, `flush_finished` (the housekeeper) observes them."""
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(_FakeMetric, "observe",
+                        lambda self, value: seen.append((self.labels["response_metric_type"], value)))
+    metrics = TritonMetrics(_FakePbUtils, "tensorrt_llm", 1, log_warn=print)
+    metrics.observe(SimpleNamespace(num_input_tokens=5, num_output_tokens=7))
+    assert seen == []
+    metrics.flush_finished()
+    assert sorted(seen) == [("total_input_tokens", 5), ("total_output_tokens", 7)]
+    assert not metrics.finished

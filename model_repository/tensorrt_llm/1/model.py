@@ -6,9 +6,8 @@ tensorrtllm) and `engine_process` (true: the engine runs in a process of its own
 stub's interpreter lock; false: in a thread here, as the tensorrtllm backend always does).
 
 `execute` converts and hands each request to `inflight.serving.request_table`, then returns.
-Threads: a responder takes the engine's responses and hands them to `send_threads` send lanes
-(default 4; 0: it sends them itself), and makes the sends the others post to it (`execute`'s
-error and stop answers, drain ticks); a poller cancels requests whose client
+Threads: a responder makes every send (the engine's responses, and what the others post to
+it: `execute`'s error and stop answers, drain ticks), a poller cancels requests whose client
 cancelled or whose `timeout` parameter has passed (every `cancellation_check_period_ms`; see
 `inflight.serving.deadlines`), and a housekeeper publishes the metrics,
 drives a shutdown drain and unloads the model once its engine has died.
@@ -37,8 +36,6 @@ from inflight.serving.request_table import RequestTable
 from inflight.serving.timings import Timings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Threads that send the engine's responses (inflight.serving.send_lanes); 0: the responder.
-DEFAULT_SEND_THREADS = 4
 
 
 class Sink:
@@ -83,9 +80,6 @@ class TritonPythonModel:
                                             params.get_int(values, "max_output_len", None))
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
-        num_send_threads = params.get_int(values, "send_threads", DEFAULT_SEND_THREADS)
-        if num_send_threads < 0:
-            raise pb_utils.TritonModelException(f"parameter send_threads must be >= 0, got {num_send_threads}")
         if ignored_parameters(values):
             pb_utils.Logger.log_warn(f"parameters with no effect on this engine: {ignored_parameters(values)}")
         if "gpt_model_path" not in values:
@@ -101,11 +95,11 @@ class TritonPythonModel:
         self.metrics = metrics.TritonMetrics(pb_utils, args["model_name"], args["model_version"],
                                              pb_utils.Logger.log_warn)
         self.timings = Timings.from_env()
-        self.table = RequestTable(engine, Sink(), self.metrics.observe, self.timings, num_send_threads)
+        self.table = RequestTable(engine, Sink(), self.metrics.observe, self.timings)
         self.published_stats = None
         self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)
         self.stopping = threading.Event()
-        # The responder and its lanes send; the poller only asks (guarded against a final being sent).
+        # Only the responder sends; the poller only asks (guarded against a final being sent).
         self.threads = [threading.Thread(target=self._respond, daemon=True),
                         threading.Thread(target=self._every, args=(self.cancel_period_s,
                                                                    self.table.poll_cancelled), daemon=True),
@@ -171,7 +165,7 @@ class TritonPythonModel:
                 self._answer_error(sender, f"{type(exc).__name__}: {exc}", "INTERNAL")
 
     def _answer_error(self, sender, message, code):
-        """A final error, sent by the responder thread (execute never sends)."""
+        """A final error, sent by the responder thread (the only one that sends)."""
         self.table.post(functools.partial(Sink.send_error, sender, message, code))
 
     def _inputs(self, request):
@@ -214,6 +208,7 @@ class TritonPythonModel:
         if report is not None:
             pb_utils.Logger.log_info(f"{self.model_name}: {report}")
         self._unload_if_dead()
+        self.metrics.flush_finished()
         self.table.post(self.table.tick, once=True)  # it may answer and fail requests
         stats = self.table.latest_stats
         if stats is not None and stats is not self.published_stats:  # each set is a round trip

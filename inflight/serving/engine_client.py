@@ -6,9 +6,10 @@ Both offer the same calls to `inflight.serving.request_table`:
     cancel(stub_ids)
     receive(timeout_s)  every event waiting (or the first to arrive within the timeout, or
                         until `wake`, where the engine has it):
-        ("step", [(stub_id, Response)], IterationStats | None[, tokens])
+        ("step", [(stub_id, Response)], IterationStats | None[, tokens, sent_s])
                         tokens (the engine process's): plain one-token chunks as
-                        (stub_id, sequence index, token, input tokens, output tokens)
+                        (stub_id, sequence index, token, input tokens, output tokens);
+                        sent_s: when the engine process sent them (monotonic clock)
         ("rejected", [stub_id], kind, message)    kind: wire.QUEUE_FULL | wire.INVALID | ...
         ("dead", message)                         the engine stopped; nothing more will come
     shutdown()
@@ -106,7 +107,7 @@ class EngineProcess:
         return self.process.pid
 
     def submit(self, rows: list) -> None:
-        self._send([wire.ADD, [[stub_id, wire.request_to_wire(r)] for stub_id, r in rows]])
+        self._send([wire.ADD, [[stub_id, wire.request_to_wire(r)] for stub_id, r in rows], time.monotonic()])
 
     def cancel(self, stub_ids: list[int]) -> None:
         if stub_ids:
@@ -155,7 +156,7 @@ class EngineProcess:
         if kind == wire.STEP:
             items = [(stub_id, wire.response_from_wire(stub_id, data)) for stub_id, data in message[1]]
             stats = None if message[2] is None else wire.stats_from_wire(message[2])
-            return ("step", items, stats, wire.plain_from_wire(message[3]))
+            return ("step", items, stats, wire.plain_from_wire(message[3]), message[4])
         if kind == wire.REJECTED:
             return ("rejected", message[1], message[2], message[3])
         if kind == wire.FATAL:

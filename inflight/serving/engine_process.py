@@ -136,6 +136,8 @@ class EngineLoop:
             if kind == wire.SHUTDOWN:
                 return False
             if kind == wire.ADD:
+                if self.timings.is_on:
+                    self.timings.add("ipc.in", time.monotonic() - message[2])
                 self._add(message[1])
             elif kind == wire.CANCEL:
                 for stub_id in message[1]:
@@ -182,14 +184,14 @@ class EngineLoop:
         if self.stats_dirty and now - self.last_stats_s >= self.stats_period_s:
             stats = self._stats(now)
         if items or tokens is not None or stats is not None:
-            self._send([wire.STEP, items, stats, tokens])
+            self._send([wire.STEP, items, stats, tokens, time.monotonic()])
 
     def _publish_idle_stats(self) -> None:
         """Idle now: publish a snapshot that shows nothing scheduled (once)."""
         if self.stats_dirty or self.has_stepped:
             self.has_stepped = False
             self.engine.refresh_stats()
-            self._send([wire.STEP, [], self._stats(time.monotonic()), None])
+            self._send([wire.STEP, [], self._stats(time.monotonic()), None, time.monotonic()])
 
     def _stats(self, now: float) -> dict:
         self.last_stats_s = now

@@ -250,6 +250,8 @@ class RequestTable:
         dead = None
         for event in events:
             if event[0] == "step":
+                if self.timings.is_on and len(event) > 4:
+                    self.timings.add("ipc.out", time.monotonic() - event[4])
                 with self.lock:
                     for stub_id, response in event[1]:
                         pending = self.by_stub_id.get(stub_id)

@@ -10,7 +10,10 @@ and the engine process (`inflight.serving.engine_process`) logs an `engine timin
 A request's first token is split across them: `first.engine` (stub: submitted → its first
 response taken from the engine's events), `first.outbox` (stub: taken → its send starts) and,
 inside the first, `first.token` (engine process: its ADD read → its first response out of a
-step) beside `step`, `commands` and `publish` (the engine loop's turns).
+step) beside `step`, `commands` and `publish` (the engine loop's turns). `ipc.in` (engine
+process) and `ipc.out` (stub) are how long a message took from one process's send to the
+other's read: an ADD (including any wait for the engine's step in progress), and a step's
+events (including any wait for the responder's send in progress).
 
 Each send and question is a synchronous round trip to the server, so their mean time is what
 the responder's pace rests on (tools/serving_trace.py prints these lines beside its stages).

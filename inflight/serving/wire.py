@@ -4,19 +4,21 @@ Only lists, dicts, numbers, strings and bytes cross the process boundary: no pic
 can never run code in the receiver. Each message is `[kind, *fields]`:
 
 stub → engine
-    ["add", [[stub_id, request], ...]]   one Triton request's rows, admitted all or none
+    ["add", [[stub_id, request], ...], sent_s]   one Triton request's rows, admitted all or none
     ["cancel", [stub_id, ...]]
     ["shutdown"]
 engine → stub
     ["ready", {info}]                    the engine is loaded and serving
     ["init_error", message]              it could not start (then it exits)
     ["rejected", [stub_id, ...], kind, message]   kind: "queue_full" | "invalid"
-    ["step", [[stub_id, response], ...], stats | None, tokens | None]
+    ["step", [[stub_id, response], ...], stats | None, tokens | None, sent_s]
                                          everything one loop turn produced; `tokens`: its plain
                                          one-token chunks as columns (see `split_plain`)
     ["fatal", message]                   the engine cannot go on (then it exits)
 
 `stub_id` is the stub's name for one engine request (one batch row of a Triton request).
+`sent_s`: when the sender sent it, on the machine's monotonic clock (both processes share it),
+for the `ipc.in` / `ipc.out` timings (`inflight.serving.timings`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 #    (Triton 2.51's python backend stub corrupts BYTES tensors with numpy 2) comes first, and
 #    scipy and scikit-learn, built for the image's numpy 2 and imported by transformers when
 #    present, are hidden (a .pth marks them absent in sys.modules). tritonserver, perf_analyzer,
-#    tritonclient, pyzmq and msgpack come from the carried archive; this checkout is on its path.
+#    tritonclient and msgpack come from the carried archive; this checkout is on its path.
 # 2. A random-weight Llama-3.2-1B-shaped checkpoint (bf16) with SmolLM2's tokenizer.
 # 3. tools/bench_serving.py: a real tritonserver serves it behind the ensemble; perf_analyzer
 #    (gRPC streaming) at concurrency 1, 16, 64, 256, `stream` true and false, beside the engine
@@ -59,7 +59,7 @@ fi
 SITE=$("$ENV/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 PA=$SITE/perf_analyzer/bin/perf_analyzer
 chmod +x "$PA" "$SITE/pytriton/tritonserver/bin/tritonserver" "$SITE/pytriton/tritonserver/python_backend_stubs/3.12/triton_python_backend_stub"
-"$ENV/bin/python3" -c 'import numpy, torch, transformers, zmq, msgpack, tritonclient.grpc, inflight; print("server env: numpy", numpy.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__, "| zmq", zmq.__version__, "| inflight from", inflight.__file__)' || exit 3
+"$ENV/bin/python3" -c 'import numpy, torch, transformers, msgpack, tritonclient.grpc, inflight; print("server env: numpy", numpy.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__, "| msgpack", msgpack.version, "| inflight from", inflight.__file__)' || exit 3
 "$PA" --version 2>&1 | head -n 2
 
 step "random-weight Llama-3.2-1B-shaped checkpoint"

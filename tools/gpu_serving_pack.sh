@@ -7,7 +7,7 @@
 # (gitignored). One file, .device/serving/serving.tar.xz (< 64 MiB), holds:
 #   site/   packages for the server's Python 3.12 environment, cp312 wheels unpacked: numpy 1.26.4
 #           (the python backend stub of Triton 2.51 corrupts BYTES tensors with numpy 2),
-#           tritonclient (gRPC) + grpcio + protobuf + python-rapidjson, pyzmq + msgpack (the engine
+#           tritonclient (gRPC) + grpcio + protobuf + python-rapidjson, msgpack (the engine
 #           process's wire), xgrammar + pydantic (guided decoding is on in the default repository),
 #           perf_analyzer 2.60 (site/perf_analyzer/bin/perf_analyzer: glibc 2.38, the GPU image has 2.39),
 #           and the tritonserver 2.51 binary, python backend and 3.12 stub from nvidia-pytriton
@@ -25,7 +25,7 @@ mkdir -p "$OUT" "$STAGE/site" "$STAGE/tokenizer"
   --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_38_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 \
-  numpy==1.26.4 tritonclient==2.73.0 grpcio==1.85.1 protobuf==6.33.6 pyzmq==27.3.0 msgpack==1.2.4 \
+  numpy==1.26.4 tritonclient==2.73.0 grpcio==1.85.1 protobuf==6.33.6 msgpack==1.2.4 \
   perf-analyzer==2.60.0 python-rapidjson==1.25 \
   $(grep -E '^(xgrammar|apache-tvm-ffi|pydantic)==' requirements.txt) \
   pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import queue
+import select
 import shutil
 import signal
 import subprocess
@@ -30,10 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-import zmq
-
 from inflight.serving import metrics, wire
-from inflight.serving.engine_process import COMMANDS, EVENTS, endpoint
+from inflight.serving.channel import Channel
 from inflight.serving.stub_ids import StubIds
 
 STARTUP_TIMEOUT_S = 1800  # loading and warming a large model on a GPU takes minutes
@@ -54,34 +53,31 @@ def python_executable() -> str:
 
 
 class EngineProcess:
-    """Starts the engine process and talks to it over ipc sockets in a private directory."""
+    """Starts the engine process and talks to it over a socketpair (`inflight.serving.channel`)."""
 
     def __init__(self, model_path: str, parameters: dict[str, str], max_queue_size: int | None,
                  stats_period_s: float, fault_spec: str | None = None):
         self.run_dir = Path(tempfile.mkdtemp(prefix="inflight-engine-"))  # mode 0700
+        self.channel, theirs = Channel.pair()
         spec = {"model_path": model_path, "parameters": parameters, "max_queue_size": max_queue_size,
-                "stats_period_s": stats_period_s, "fault_spec": fault_spec, "parent_pid": os.getpid()}
+                "stats_period_s": stats_period_s, "fault_spec": fault_spec, "parent_pid": os.getpid(),
+                "channel_fd": theirs.fileno()}
         (self.run_dir / "engine.json").write_text(json.dumps(spec))
-        self.context = zmq.Context(1)
-        self.commands = self.context.socket(zmq.PUSH)
-        self.commands.setsockopt(zmq.SNDHWM, 0)
-        self.commands.setsockopt(zmq.LINGER, 0)
-        self.events = self.context.socket(zmq.PULL)
-        self.events.setsockopt(zmq.LINGER, 0)
-        self.commands.bind(endpoint(self.run_dir, COMMANDS))
-        self.events.bind(endpoint(self.run_dir, EVENTS))
-        self.send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self.dead_message: str | None = None
         # `wake` makes a waiting `receive` return at once (work was posted for its thread).
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
-        self.poller = zmq.Poller()
-        self.poller.register(self.events, zmq.POLLIN)
-        self.poller.register(self.wake_r, zmq.POLLIN)
+        self.poller = select.poll()
+        self.poller.register(self.channel.fileno(), select.POLLIN)
+        self.poller.register(self.wake_r, select.POLLIN)
         env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_CONTROL_SECRET"}
-        self.process = subprocess.Popen([python_executable(), "-m", "inflight.serving.engine_process",
-                                         str(self.run_dir)], env=env, stdin=subprocess.DEVNULL)
+        try:
+            self.process = subprocess.Popen(
+                [python_executable(), "-m", "inflight.serving.engine_process", str(self.run_dir)],
+                env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()  # the engine holds it now: its exit shows here as the channel closing
         try:
             self.info = self._wait_ready()
         except BaseException:
@@ -91,14 +87,15 @@ class EngineProcess:
     def _wait_ready(self) -> dict:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.events.poll(200):
-                message = wire.unpack(self.events.recv())
-                if message[0] == wire.READY:
-                    return message[1]
-                if message[0] == wire.INIT_ERROR:
-                    raise EngineStartError(message[1])
-            elif self.process.poll() is not None:
-                raise EngineStartError(f"the engine process exited with code {self.process.returncode} "
+            if self.channel.wait(0.2):
+                for message in self.channel.receive():
+                    if message[0] == wire.READY:
+                        return message[1]
+                    if message[0] == wire.INIT_ERROR:
+                        raise EngineStartError(message[1])
+            if self.channel.is_closed or self.process.poll() is not None:
+                code = self.process.wait()
+                raise EngineStartError(f"the engine process exited with code {code} "
                                        "while loading the model; see the server log")
         raise EngineStartError(f"the engine process did not load the model within {STARTUP_TIMEOUT_S} s")
 
@@ -114,9 +111,10 @@ class EngineProcess:
             self._send([wire.CANCEL, list(stub_ids)])
 
     def _send(self, message: list) -> None:
-        data = wire.pack(message)
-        with self.send_lock:
-            self.commands.send(data)
+        try:
+            self.channel.send(message)
+        except OSError:  # the engine closed its end: `receive` reports it and fails the requests
+            pass
 
     def wake(self) -> None:
         """Any thread: end the current (or next) `receive` wait now."""
@@ -137,18 +135,20 @@ class EngineProcess:
                 pass
         if self.dead_message is not None:
             return []
-        events = []
-        if self.events in ready:
-            while True:
-                try:
-                    events.append(self._event(wire.unpack(self.events.recv(zmq.NOBLOCK))))
-                except zmq.Again:
-                    break
-        if self.dead_message is None and self.process.poll() is not None:
-            code = self.process.returncode
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        events = [self._event(message) for message in self.channel.receive()]
+        if self.dead_message is None and self.channel.is_closed:
+            try:
+                self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)  # it closed its end: it is exiting
+            except subprocess.TimeoutExpired:
+                pass
+        if self.dead_message is None and (self.channel.is_closed or self.process.poll() is not None):
+            code = self.process.poll()
+            how = ("closed its channel" if code is None else f"was killed by signal {-code}" if code < 0
+                   else f"exited with code {code}")
             self.dead_message = f"the engine stopped: its process {how}"
             events.append(("dead", self.dead_message))
+        if self.dead_message is not None:
+            self.poller.unregister(self.channel.fileno())  # a closed end polls ready for ever
         return events
 
     def _event(self, message: list) -> tuple:
@@ -168,18 +168,15 @@ class EngineProcess:
         """Stop the engine process (SIGKILL if it cannot take the command or does not exit)."""
         if self.process.poll() is None:
             try:
-                # Never block: an engine that reported a fatal error has closed its end, and a
-                # blocking send to no peer waits for ever; that held this model's unload (and so
-                # every exit after an engine fault) until Triton's exit timeout.
-                with self.send_lock:
-                    self.commands.send(wire.pack([wire.SHUTDOWN]), zmq.NOBLOCK)
+                # Never block: an engine that stopped reading (or reported a fatal error) must
+                # not hold this model's unload, and so every exit, until Triton's exit timeout.
+                if not self.channel.send_now([wire.SHUTDOWN]):
+                    raise subprocess.TimeoutExpired(self.process.args, 0)
                 self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, zmq.ZMQError):  # zmq.Again: no peer
+            except subprocess.TimeoutExpired:
                 self.process.send_signal(signal.SIGKILL)
                 self.process.wait()
-        self.commands.close()
-        self.events.close()
-        self.context.term()
+        self.channel.close()
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
         shutil.rmtree(self.run_dir, ignore_errors=True)

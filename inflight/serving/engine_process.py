@@ -3,9 +3,9 @@
     python -m inflight.serving.engine_process RUN_DIR
 
 The python stub (`inflight.serving.engine_client`) writes `RUN_DIR/engine.json` (model path,
-config.pbtxt parameters, queue size) into a private (0700) directory, binds two ipc sockets
-there and starts this process, which connects to them and answers in `inflight.serving.wire`'s
-messages.
+config.pbtxt parameters, queue size) into a private (0700) directory and starts this process
+with one end of a socketpair (`inflight.serving.channel`; its descriptor is in the spec), over
+which they speak `inflight.serving.wire`'s messages.
 
 The loop is single-threaded and owns the engine: take every command waiting (without blocking
 while there is work, blocking when idle), step, and send everything that turn produced as one
@@ -14,11 +14,11 @@ message. It uses only the engine's public calls (`add_request`, `cancel`, `step`
 to the tokens it computed: an overlapped engine answers one step later, which changes nothing
 here.
 
-It dies with its parent: PR_SET_PDEATHSIG (SIGKILL) plus a parent check whenever it is idle, so
-no orphan keeps the model (on a GPU, its memory) after the stub is gone. It ends at once when
-told to (SHUTDOWN) or after a fatal error: it stops its tensor-parallel ranks, closes its
-sockets (the last event delivered) and exits without tearing the interpreter down, since the
-model's unload waits for it.
+It dies with its parent: PR_SET_PDEATHSIG (SIGKILL), plus an exit when the stub's end of the
+channel closes and a parent check whenever it is idle, so no orphan keeps the model (on a GPU,
+its memory) after the stub is gone. It ends at once when told to (SHUTDOWN) or after a fatal
+error: it stops its tensor-parallel ranks, closes its end (what it sent stays readable) and
+exits without tearing the interpreter down, since the model's unload waits for it.
 """
 
 from __future__ import annotations
@@ -32,20 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-import zmq
-
 from inflight.serving import metrics, wire
+from inflight.serving.channel import Channel
 from inflight.serving.stub_ids import StubIds
 from inflight.serving.timings import Timings
 
 logger = logging.getLogger("inflight.engine_process")
 
-IDLE_POLL_MS = 1000  # how long an idle loop waits for a command before checking its parent
-COMMANDS, EVENTS = "commands", "events"
-
-
-def endpoint(run_dir: str | Path, name: str) -> str:
-    return f"ipc://{Path(run_dir) / name}"
+IDLE_POLL_S = 1.0  # how long an idle loop waits for a command before checking its parent
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -75,11 +69,9 @@ def build_engine(spec: dict):
 class EngineLoop:
     """Drives one engine from the command socket; see the module docstring."""
 
-    def __init__(self, engine, commands: zmq.Socket, events: zmq.Socket, stats_period_s: float,
-                 parent_pid: int):
+    def __init__(self, engine, channel: Channel, stats_period_s: float, parent_pid: int):
         self.engine = engine
-        self.commands = commands
-        self.events = events
+        self.channel = channel
         self.stats_period_s = stats_period_s
         self.parent_pid = parent_pid
         self.ids = StubIds()
@@ -90,13 +82,11 @@ class EngineLoop:
         self.added_s: dict[int, float] = {}  # engine id -> when its ADD was read (timings on)
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.commands, zmq.POLLIN)
         timed = self.timings.timed
         while True:
             if not self.engine.has_unfinished():
                 self._publish_idle_stats()
-                if not poller.poll(IDLE_POLL_MS):
+                if not self.channel.wait(IDLE_POLL_S):
                     if os.getppid() != self.parent_pid:
                         return
                     continue
@@ -126,12 +116,8 @@ class EngineLoop:
     # ----- commands ------------------------------------------------------------------------
 
     def _take_commands(self, out: list) -> bool:
-        """Apply every command waiting; False on shutdown."""
-        while True:
-            try:
-                message = wire.unpack(self.commands.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return True
+        """Apply every command waiting; False on shutdown (or once the stub is gone)."""
+        for message in self.channel.receive():
             kind = message[0]
             if kind == wire.SHUTDOWN:
                 return False
@@ -143,6 +129,7 @@ class EngineLoop:
                 for stub_id in message[1]:
                     self._cancel(stub_id, out)
             self.stats_dirty = True
+        return not self.channel.is_closed
 
     def _add(self, rows: list) -> None:
         """Admit one Triton request's rows, or none of them (as TensorRT-LLM does)."""
@@ -201,7 +188,7 @@ class EngineLoop:
         return stats
 
     def _send(self, message: list) -> None:
-        self.events.send(wire.pack(message))
+        self.channel.send(message)
 
 
 def main(argv: list[str]) -> int:
@@ -209,43 +196,36 @@ def main(argv: list[str]) -> int:
     spec = json.loads((run_dir / "engine.json").read_text())
     die_with_parent(spec["parent_pid"])
     logging.basicConfig(level=logging.WARNING, format="[inflight engine] %(levelname)s %(message)s")
-    context = zmq.Context(1)
-    commands = context.socket(zmq.PULL)
-    events = context.socket(zmq.PUSH)
-    events.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader; the stub drains
-    events.setsockopt(zmq.LINGER, 5000)
-    commands.connect(endpoint(run_dir, COMMANDS))
-    events.connect(endpoint(run_dir, EVENTS))
+    channel = Channel.from_fd(spec["channel_fd"])
     try:
         engine = build_engine(spec)
     except Exception as exc:  # one clear sentence for the model's initialize
         logger.exception("the engine could not start")
-        events.send(wire.pack([wire.INIT_ERROR, str(exc) or type(exc).__name__]))
-        _close(context, commands, events)
+        _last_word(channel, [wire.INIT_ERROR, str(exc) or type(exc).__name__])
         return 1
-    events.send(wire.pack([wire.READY, {"pid": os.getpid()}]))
-    loop = EngineLoop(engine, commands, events, spec["stats_period_s"], spec["parent_pid"])
+    channel.send([wire.READY, {"pid": os.getpid()}])
+    loop = EngineLoop(engine, channel, spec["stats_period_s"], spec["parent_pid"])
     code = 0
     try:
         loop.run()
     except BaseException as exc:  # the engine cannot continue: say why, then exit
         logger.exception("the engine loop died")
-        events.send(wire.pack([wire.FATAL, f"the engine stopped: {type(exc).__name__}: {exc}"]))
+        _last_word(channel, [wire.FATAL, f"the engine stopped: {type(exc).__name__}: {exc}"])
         code = 1
     try:
         engine.close()  # its tensor-parallel ranks: the os._exit below runs no atexit handler
     except Exception:
         logger.exception("stopping the engine's ranks failed")
-    _close(context, commands, events)
+    channel.close()  # what was sent stays readable by the stub
     return code
 
 
-def _close(context: zmq.Context, commands: zmq.Socket, events: zmq.Socket) -> None:
-    """Close both sockets; returns once the stub has taken what is queued (the last event, an
-    error say), or after the events socket's linger."""
-    commands.close(linger=0)
-    events.close()
-    context.term()
+def _last_word(channel: Channel, message: list) -> None:
+    """Send one last message, unless the stub is gone already."""
+    try:
+        channel.send(message)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

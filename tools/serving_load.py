@@ -117,6 +117,7 @@ def run_perf_analyzer(binary: str, grpc_url: str, inputs: Path, concurrency: int
     """perf_analyzer against the ensemble (gRPC streaming, the only way to a decoupled model);
     three count windows, taken as stable (latencies come from its per-request export)."""
     export = work_dir / f"pa_{path.replace(' ', '_')}_{concurrency}.json"
+    export.unlink(missing_ok=True)  # a level run again (--repeat): perf_analyzer will not overwrite
     cmd = [binary, "-m", "ensemble", "-i", "grpc", "--async", "--streaming", "-u", grpc_url,
            "--input-data", str(inputs), "--concurrency-range", str(concurrency),
            "--measurement-mode", "count_windows", "--measurement-request-count", str(requests_per_window),

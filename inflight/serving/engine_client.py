@@ -94,9 +94,12 @@ class EngineProcess:
                     if message[0] == wire.INIT_ERROR:
                         raise EngineStartError(message[1])
             if self.channel.is_closed or self.process.poll() is not None:
-                code = self.process.wait()
-                raise EngineStartError(f"the engine process exited with code {code} "
-                                       "while loading the model; see the server log")
+                try:
+                    how = f"exited with code {self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)}"
+                except subprocess.TimeoutExpired:  # its end closed, yet it runs: `shutdown` kills it
+                    how = "closed its channel"
+                raise EngineStartError(f"the engine process {how} while loading the model; "
+                                       "see the server log")
         raise EngineStartError(f"the engine process did not load the model within {STARTUP_TIMEOUT_S} s")
 
     @property

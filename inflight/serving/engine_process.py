@@ -67,7 +67,7 @@ def build_engine(spec: dict):
 
 
 class EngineLoop:
-    """Drives one engine from the command socket; see the module docstring."""
+    """Drives one engine from its channel; see the module docstring."""
 
     def __init__(self, engine, channel: Channel, stats_period_s: float, parent_pid: int):
         self.engine = engine

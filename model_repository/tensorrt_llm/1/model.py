@@ -208,12 +208,12 @@ class TritonPythonModel:
         if report is not None:
             pb_utils.Logger.log_info(f"{self.model_name}: {report}")
         self._unload_if_dead()
-        self.metrics.flush_finished()
         self.table.post(self.table.tick, once=True)  # it may answer and fail requests
         stats = self.table.latest_stats
         if stats is not None and stats is not self.published_stats:  # each set is a round trip
             self.published_stats = stats
             self.metrics.publish(stats)
+        self.metrics.flush_finished()  # after the gauges: a burst of finished requests is slow
 
     def _unload_if_dead(self):
         """A dead engine must not look ready: unload this model (and the ensemble using it)."""

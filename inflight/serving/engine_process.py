@@ -122,8 +122,7 @@ class EngineLoop:
             if kind == wire.SHUTDOWN:
                 return False
             if kind == wire.ADD:
-                if self.timings.is_on:
-                    self.timings.add("ipc.in", time.monotonic() - message[2])
+                self.timings.add_since("ipc.in", message[2])
                 self._add(message[1])
             elif kind == wire.CANCEL:
                 for stub_id in message[1]:
@@ -178,7 +177,8 @@ class EngineLoop:
         if self.stats_dirty or self.has_stepped:
             self.has_stepped = False
             self.engine.refresh_stats()
-            self._send([wire.STEP, [], self._stats(time.monotonic()), None, time.monotonic()])
+            now = time.monotonic()
+            self._send([wire.STEP, [], self._stats(now), None, now])
 
     def _stats(self, now: float) -> dict:
         self.last_stats_s = now

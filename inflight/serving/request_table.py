@@ -1,9 +1,9 @@
 """The engine model's requests in flight and how their responses go out; no Triton import.
 
 `tensorrt_llm/1/model.py` converts tensors and hands each Triton request here with its response
-sender. The table gives every batch row a stub id, submits the rows to the engine
-(`inflight.serving.engine_client`) and sends what comes back through a `Sink` (the adapter's
-`pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`),
+sender. The table keeps each as a `Pending` (`inflight.serving.pending`), gives every batch row
+a stub id, submits the rows to the engine (`inflight.serving.engine_client`) and sends what
+comes back through a `Sink` (the adapter's `pb_utils` calls). Threads: the model's `execute` (add, stop, ack), one responder (`respond`),
 one cancellation poller (`poll_cancelled`: client cancels and `timeout`s, see
 `inflight.serving.deadlines`) and the adapter's housekeeping (`tick`).
 
@@ -37,14 +37,13 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from ensemble import control
 from inflight.executor.types import FinishReason, Response
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox
+from inflight.serving.pending import Pending, Sink
 from inflight.serving.poll_turns import PollTurns
 from inflight.serving.timings import Timings
 
@@ -54,33 +53,6 @@ BEHIND_S = 0.15  # > the detokenizer's acknowledgement period (postprocessing/1/
 HELD_POLL_S = 0.005  # how often held streams are looked at again
 SEND_SLICE_S = 0.02  # the responder runs posted work and re-reads the detokenizer's lag this often
 DEAD_MESSAGE = "the engine has stopped and the model is being unloaded; see the server log"
-
-
-class Sink(Protocol):
-    """How responses reach Triton (the adapter implements it with `pb_utils`)."""
-
-    def send_tensors(self, sender, tensors: dict, final: bool) -> None: ...
-    def send_error(self, sender, message: str, code: str, final: bool = True) -> None: ...
-    def send_final(self, sender) -> None: ...
-    def is_cancelled(self, sender) -> bool: ...
-    def warn(self, message: str) -> None: ...
-
-
-@dataclass(eq=False)
-class Pending:
-    """One Triton request in flight."""
-
-    sender: object
-    user_id: str
-    key: int  # random, see ensemble.control
-    rows: dict = field(default_factory=dict)  # stub id -> convert.RowState
-    num_open_rows: int = 0
-    is_client_cancelled: bool = False
-    # Triton frees the response sender once the final flag is sent; touching it afterwards
-    # (even is_cancelled()) crashes the server. `lock` orders sends and checks; `is_done` is
-    # set, under it, before the final send.
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    is_done: bool = False
 
 
 class RequestTable:
@@ -124,9 +96,7 @@ class RequestTable:
             self.by_key[pending.key] = pending
             self.delivery.open(pending.key)
             self.deadlines.add(pending.key, time.monotonic(), timeout_s)
-            if self.timings.is_on:
-                for row in pending.rows.values():
-                    row.submitted_s = time.monotonic()
+            self.timings.rows_submitted(pending.rows.values())
             try:
                 self.engine.submit(rows)  # under the lock: a stop right after finds the rows
             except Exception:
@@ -250,8 +220,8 @@ class RequestTable:
         dead = None
         for event in events:
             if event[0] == "step":
-                if self.timings.is_on and len(event) > 4:
-                    self.timings.add("ipc.out", time.monotonic() - event[4])
+                if len(event) > 4:
+                    self.timings.add_since("ipc.out", event[4])
                 with self.lock:
                     for stub_id, response in event[1]:
                         pending = self.by_stub_id.get(stub_id)
@@ -270,14 +240,11 @@ class RequestTable:
         return dead
 
     def _is_first(self, pending: Pending, stub_id: int) -> bool:
-        """Has this row sent nothing yet? (Stamps when its first response came, for timings.)"""
+        """Has this row sent nothing yet? (Then its response's arrival is timed.)"""
         row = pending.rows[stub_id]
-        if row.has_sent:
-            return False
-        if self.timings.is_on and not row.taken_s:
-            row.taken_s = time.monotonic()
-            self.timings.add("first.engine", row.taken_s - row.submitted_s)
-        return True
+        if not row.has_sent:
+            self.timings.row_taken(row)
+        return not row.has_sent
 
     def _may_wait(self, stub_id: int) -> bool:
         """The detokenizer is behind: may this row's new tokens wait here, merged?"""
@@ -325,11 +292,10 @@ class RequestTable:
             if is_last:
                 self.sink.send_final(pending.sender)
         else:
-            with self.timings.timed("convert"):
-                tensors = convert.response_tensors(response, pending.rows[stub_id])
             row = pending.rows[stub_id]
-            if row.taken_s and not row.has_sent:
-                self.timings.add("first.outbox", time.monotonic() - row.taken_s)
+            with self.timings.timed("convert"):
+                tensors = convert.response_tensors(response, row)
+            self.timings.row_sending(row)
             with self.lock:
                 chunk = self.delivery.sending(pending.key)
             try:

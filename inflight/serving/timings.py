@@ -67,6 +67,30 @@ class Timings:
             stat[1] += seconds
             stat[2] = max(stat[2], seconds)
 
+    def add_since(self, name: str, start_s: float) -> None:
+        """Time from `start_s` (monotonic clock, any process) to now, when on."""
+        if self.is_on:
+            self.add(name, time.monotonic() - start_s)
+
+    # The first-token split of the stub's rows (`convert.RowState`: submitted_s, taken_s,
+    # has_sent); nothing is stamped while off.
+
+    def rows_submitted(self, rows) -> None:
+        if self.is_on:
+            now = time.monotonic()
+            for row in rows:
+                row.submitted_s = now
+
+    def row_taken(self, row) -> None:
+        """A response of a row that has sent nothing came from the engine."""
+        if self.is_on and not row.taken_s:
+            row.taken_s = time.monotonic()
+            self.add("first.engine", row.taken_s - row.submitted_s)
+
+    def row_sending(self, row) -> None:
+        if row.taken_s and not row.has_sent:
+            self.add_since("first.outbox", row.taken_s)
+
     def report(self, now_s: float | None = None) -> str | None:
         """The line to log if a period has passed (and resets), else None."""
         now_s = time.monotonic() if now_s is None else now_s

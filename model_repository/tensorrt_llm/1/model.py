@@ -39,7 +39,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class Sink:
-    """`request_table.Sink` with pb_utils."""
+    """`inflight.serving.pending.Sink` with pb_utils."""
 
     @staticmethod
     def send_tensors(sender, tensors, final):

@@ -11,8 +11,12 @@ every model batches.
 Rows marked `ext` are ours, not NVIDIA's: the stream-context tensors that let the stateless
 detokenizer decode each streamed chunk in context, the chat-template switch,
 `add_special_tokens` (a per-request override of the tokenizer parameter, so a client that renders
-a chat template itself does not get a second BOS), `min_length` (genai-perf sends it; an alias of
-`min_tokens`) and the two token counts NVIDIA added to `tensorrt_llm` later.
+a chat template itself does not get a second BOS), `parse_special_tokens` (the opt-in that lets
+special-token strings in `text_input` become control tokens; `preprocessing.control_tokens`),
+`input_ids` (a prompt the client tokenized itself, sent instead of `text_input`, which is
+therefore optional here: preprocessing refuses a request with neither or both), `min_length`
+(genai-perf sends it; an alias of `min_tokens`) and the two token counts NVIDIA added to
+`tensorrt_llm` later.
 
 A dtype written `name=TYPE` is filled from the template variable `name` (NVIDIA's
 `logits_datatype`, ...), TYPE being the value the repository builder uses and accepts.
@@ -92,7 +96,8 @@ def _table(text: str, outputs: bool = False) -> tuple[TensorSpec, ...]:
 
 PREPROCESSING = ModelIO(
     inputs=_table("""
-QUERY                   STRING  1       required
+QUERY                   STRING  1
+QUERY_IDS               INT32   -1      ragged ext
 DECODER_QUERY           STRING  1
 IMAGE_BYTES             UINT8   -1,-1,-1,-1
 IMAGE_URL               STRING  1
@@ -107,6 +112,7 @@ PAD_ID                  INT32   1
 PROMPT_TABLE_EXTRA_ID   UINT64  1
 APPLY_CHAT_TEMPLATE     BOOL    1       ext
 ADD_SPECIAL_TOKENS      BOOL    1       ext
+PARSE_SPECIAL_TOKENS    BOOL    1       ext
 """),
     outputs=_table("""
 INPUT_ID                    INT32   -1
@@ -243,7 +249,8 @@ OUTPUT  STRING  -1
 
 # The text-level inputs shared by the ensemble and tensorrt_llm_bls (NVIDIA's names).
 _TEXT_INPUTS = """
-text_input              STRING  1       required
+text_input              STRING  1
+input_ids               INT32   -1      ragged ext
 decoder_text_input      STRING  1
 max_tokens              INT32   1       required
 num_return_sequences    INT32   1
@@ -282,6 +289,7 @@ guided_decoding_guide_type STRING 1     ragged
 guided_decoding_guide   STRING  1       ragged
 apply_chat_template     BOOL    1       ext
 add_special_tokens      BOOL    1       ext
+parse_special_tokens    BOOL    1       ext
 """
 
 
@@ -315,6 +323,7 @@ use_draft_logits        BOOL    1
 # under the same name.
 TEXT_INPUT_ROUTES = {
     "text_input": ("preprocessing", "QUERY"),
+    "input_ids": ("preprocessing", "QUERY_IDS"),
     "decoder_text_input": ("preprocessing", "DECODER_QUERY"),
     "max_tokens": ("preprocessing", "REQUEST_OUTPUT_LEN"),
     "bad_words": ("preprocessing", "BAD_WORDS_DICT"),
@@ -326,6 +335,7 @@ TEXT_INPUT_ROUTES = {
     "prompt_table_extra_id": ("preprocessing", "PROMPT_TABLE_EXTRA_ID"),
     "apply_chat_template": ("preprocessing", "APPLY_CHAT_TEMPLATE"),
     "add_special_tokens": ("preprocessing", "ADD_SPECIAL_TOKENS"),
+    "parse_special_tokens": ("preprocessing", "PARSE_SPECIAL_TOKENS"),
     "stream": ("tensorrt_llm", "streaming"),
     "top_k": ("tensorrt_llm", "runtime_top_k"),
     "top_p": ("tensorrt_llm", "runtime_top_p"),

@@ -48,11 +48,13 @@ class RequestIntake:
                                  "please try again later")
         bias = self._embedding_bias(request)
         first = self._new_state(request, request_id, request_id, 0, bias, None)
-        reason = self.scheduler.check_fits(first.seq)
-        if reason:
-            raise RequestError(reason)
         # Beam search returns its beams in one sequence (num_return_sequences picks them).
         num_sequences = 1 if request.sampling_config.beam_width > 1 else request.sampling_config.num_sequences
+        reason = self.scheduler.check_fits(first.seq)
+        if not reason and num_sequences > 1:
+            reason = self.scheduler.check_group_fits(first.seq, num_sequences)
+        if reason:
+            raise RequestError(reason)
         if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
             others = [self._new_state(request, request_id, new_request_id(), i, bias, first.seq)
                       for i in range(1, num_sequences)]
@@ -99,6 +101,11 @@ class RequestIntake:
             raise RequestError("beam search is not supported with tensor_parallel_size > 1 yet")
         if beam_width > 1 and request.guided_decoding_params is not None:
             raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
+        num_sequences = request.sampling_config.num_sequences
+        if beam_width == 1 and num_sequences > self.config.max_batch_size:
+            # Checked before any sequence state is built: each would cost memory up front.
+            raise RequestError(f"num_return_sequences {num_sequences} exceeds max_batch_size "
+                               f"({self.config.max_batch_size}): each sequence takes a batch row")
         if num_prompt + request.max_tokens > max_seq_len:
             raise RequestError(f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) "
                                f"exceeds the maximum sequence length of {max_seq_len}; "

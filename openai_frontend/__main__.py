@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from ensemble.limits import PromptLimits
 from openai_frontend.app import ServedModel, create_app
+from openai_frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.sampling import Limits
@@ -46,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="on SIGTERM/SIGINT, seconds the answers in flight get to finish (new "
                              "requests and readiness get 503 at once); then they end with a 503 "
                              "error event. A second signal ends them at once (default 30)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get a 413 before they are read (default 16 MiB); "
+                             "prompts are bounded again by the model's max_input_bytes")
     parser.add_argument("--workers", default="auto",
                         help="frontend processes sharing the port (default auto: 1 below 8 cores, "
                              "else cores/4, at most 4); see openai_frontend/workers.py")
@@ -57,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif not args.workers.isdigit() or int(args.workers) < 1:
         parser.error(f"--workers must be 'auto' or a positive integer, got {args.workers!r}")
     args.workers = int(args.workers)
+    if args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     return args
 
 
@@ -104,9 +111,10 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
         raise SystemExit(f"error: model {args.model} has no tokenizer_dir parameter; pass --tokenizer")
     tokenizer = load_tokenizer(tokenizer_dir)
     name = args.served_model_name or args.model
+    context = context_length(info, tokenizer)
+    prompt = PromptLimits.derive(info.max_input_len, context, info.max_input_bytes)
     served = ServedModel(name=name, renderer=ChatRenderer(tokenizer, name),
-                         limits=Limits(context_length(info, tokenizer), info.max_output_len),
-                         created=int(time.time()))
+                         limits=Limits(context, info.max_output_len, prompt), created=int(time.time()))
     return client, served
 
 
@@ -133,7 +141,7 @@ async def serve(args) -> None:
     import uvicorn
 
     client, served = await build(args)
-    app = create_app(client, served)
+    app = create_app(client, served, args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", http="httptools", lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout_s + GRACEFUL_SHUTDOWN_S)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from openai_frontend import errors
+from openai_frontend.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.fast_path import FastPath
 from openai_frontend.generation import collect, merge, run_choice
@@ -54,8 +55,10 @@ def _json(model, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-def create_app(client: TritonClient, served: ServedModel) -> FastPath:
-    """The ASGI app: FastAPI's routes, the generation routes' common case served by FastPath."""
+def create_app(client: TritonClient, served: ServedModel,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> BodyLimit:
+    """The ASGI app: FastAPI's routes, the generation routes' common case served by FastPath,
+    every body bounded by `max_body_bytes`."""
     app = FastAPI(title="OpenAI-compatible API for a Triton LLM ensemble", docs_url=None,
                   redoc_url=None, openapi_url=None)
     errors.install_handlers(app)
@@ -108,4 +111,4 @@ def create_app(client: TritonClient, served: ServedModel) -> FastPath:
         await client.check_ready(fresh=True)
         return {"status": "ready"}
 
-    return fast
+    return BodyLimit(fast, max_body_bytes)

@@ -1,17 +1,20 @@
-"""Chat messages → prompt text, rendered with the model's own chat template.
+"""Chat messages → prompt token ids, rendered with the model's own chat template.
 
-The frontend renders the conversation itself (the ensemble's `apply_chat_template` wraps a
-single user message only) and sends the text with `add_special_tokens` false: the template
-already writes BOS and the role markers, so the tokenizer must not add them a second time.
-Only text content is accepted; tool calls, images and audio get a 400 that says so.
+The frontend encodes the conversation itself (the ensemble's `apply_chat_template` wraps a
+single user message only) and sends the ids as the ensemble's `input_ids`. Only the template's
+own markers become control tokens: the same strings inside a message stay text
+(`preprocessing.control_tokens`), so a user cannot forge a system or assistant turn. Only text
+content is accepted; tool calls, images and audio get a 400 that says so.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ensemble.errors import InputError
 from openai_frontend.errors import bad_request
 from openai_frontend.protocol import ChatMessage
+from preprocessing import control_tokens
 
 
 def _text(message: ChatMessage, index: int) -> str:
@@ -56,8 +59,8 @@ class ChatRenderer:
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render(self, messages: list[ChatMessage]) -> str:
-        """The prompt text ending with the assistant's generation prompt.
+    def encode(self, messages: list[ChatMessage]) -> list[int]:
+        """The prompt's ids, ending with the assistant's generation prompt.
 
         Raises APIError 400 when the model has no template or the template refuses the
         conversation (many raise on roles out of order).
@@ -66,13 +69,7 @@ class ChatRenderer:
             raise bad_request(f"The model `{self.model_name}` has no chat template, so it cannot serve "
                               "/v1/chat/completions; send a plain prompt to /v1/completions instead.",
                               "messages", "no_chat_template")
-        converted = to_template_messages(messages)
         try:
-            return self.tokenizer.apply_chat_template(converted, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja2's TemplateError from raise_exception(), or a bad value
-            raise bad_request(f"The model's chat template refused these messages: {exc}",
-                              "messages") from None
-
-    def count_tokens(self, rendered: str) -> int:
-        """Tokens of a rendered prompt, counted as the ensemble will (no extra special tokens)."""
-        return len(self.tokenizer.encode(rendered, add_special_tokens=False))
+            return control_tokens.encode_chat(self.tokenizer, to_template_messages(messages))
+        except InputError as exc:
+            raise bad_request(f"{str(exc)[0].upper()}{str(exc)[1:]}.", "messages") from None

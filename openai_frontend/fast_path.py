@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from openai_frontend.body_limit import replay
 from openai_frontend.errors import APIError, internal_error
 
 logger = logging.getLogger("openai_frontend")
@@ -60,7 +61,7 @@ class FastPath:
         try:
             parsed = model.model_validate(json.loads(body))
         except (ValueError, ValidationError):  # JSONDecodeError is a ValueError
-            return await self.app(scope, _replay(body, receive), send)
+            return await self.app(scope, replay(body, receive), send)
         try:
             response = await function(parsed, Request(scope, receive))
         except APIError as exc:
@@ -70,12 +71,3 @@ class FastPath:
             response = internal_error()
         await response(scope, receive, send)
 
-
-def _replay(body: bytes, receive):
-    """A `receive` that hands over `body` once, then listens to the connection again."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay():
-        return pending.pop() if pending else await receive()
-
-    return replay

@@ -20,10 +20,12 @@ from ensemble.io_contract import ENSEMBLE
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One generation for the ensemble; None leaves an input out (the ensemble's default)."""
+    """One generation for the ensemble; None leaves an input out (the ensemble's default).
+    The prompt goes as text (`text_input`), or as ids the frontend encoded (`input_ids`)."""
 
     prompt: str
     max_tokens: int
+    prompt_ids: tuple[int, ...] | None = None
     add_special_tokens: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -71,13 +73,20 @@ def _text(name: str, text: str) -> _Input:
     return tensor, len(data).to_bytes(4, "little") + data
 
 
+def _ids(name: str, ids: tuple[int, ...]) -> _Input:
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="INT32", shape=(1, len(ids)))
+    return tensor, np.asarray(ids, dtype="<i4").tobytes()
+
+
 def ensemble_inputs(request: EngineRequest) -> list[_Input]:
     """(tensor description, raw contents) of every input `request` sends."""
     values = dict(_ALWAYS, max_tokens=request.max_tokens)
     values.update((name, getattr(request, name)) for name in _OPTIONAL if getattr(request, name) is not None)
     if request.return_log_probs:
         values["return_log_probs"] = True
-    inputs = [_text("text_input", request.prompt)] + [_scalar(k, v) for k, v in values.items()]
+    inputs = [_ids("input_ids", request.prompt_ids) if request.prompt_ids is not None
+              else _text("text_input", request.prompt)]
+    inputs += [_scalar(k, v) for k, v in values.items()]
     if request.guide_type is not None:
         inputs.append(_text("guided_decoding_guide_type", request.guide_type))
     if request.guide is not None:

@@ -8,6 +8,8 @@ names the parameter and the limit:
   top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
 - Prompts given as token ids, `suffix`, `logit_bias`, `best_of` other than `n` and tools are
   refused.
+- A prompt's size is checked before it is rendered or tokenized (`ensemble.limits`): its bytes
+  against `max_input_bytes`, then its tokens against the context.
 - Chat's `response_format` `json_object` / `json_schema` becomes the ensemble's guided decoding
   (guide type `json` / `json_schema`); the server must have it on (`guided_decoding_backend`).
 - Defaults follow OpenAI: temperature 1; completions stop after 16 tokens, chat when the
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
+from ensemble.errors import InputError
+from ensemble.limits import PromptLimits
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import bad_request
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -30,10 +34,22 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 
 @dataclass(frozen=True)
 class Limits:
-    """Token limits of the served model: its context and the engine's per-request cap."""
+    """Limits of the served model: its context, the engine's per-request output cap, and the
+    prompt's (by default derived from the context as preprocessing derives them)."""
 
     context_length: int
     max_output_len: int | None = None
+    prompt: PromptLimits | None = None
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        return self.prompt or PromptLimits.derive(max_seq_len=self.context_length)
+
+    def check_prompt_bytes(self, num_bytes: int, param: str) -> None:
+        try:
+            self.prompt_limits.check_bytes(num_bytes, f"The '{param}'")
+        except InputError as exc:
+            raise bad_request(f"{exc}.", param, "request_too_large") from None
 
 
 @dataclass(frozen=True)
@@ -65,11 +81,12 @@ def _seed(req: GenerationRequest, index: int) -> int | None:
     return None if req.seed is None else (req.seed + index) % 2**64
 
 
-def _engine_requests(req: GenerationRequest, prompt: str, max_tokens: int, num_choices: int,
+def _engine_requests(req: GenerationRequest, prompt: str | list[int], max_tokens: int, num_choices: int,
                      add_special_tokens: bool | None, logprobs: bool,
                      first_index: int = 0) -> list[EngineRequest]:
+    text, ids = (prompt, None) if isinstance(prompt, str) else ("", tuple(prompt))
     base = EngineRequest(
-        prompt=prompt, max_tokens=max_tokens, add_special_tokens=add_special_tokens,
+        prompt=text, prompt_ids=ids, max_tokens=max_tokens, add_special_tokens=add_special_tokens,
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         # OpenAI's top_p defaults to 1 (sample from everything). The engine follows TensorRT-LLM,
         # where no top_p and no top_k mean greedy whatever the temperature, so send it.
@@ -100,6 +117,8 @@ def completion_plan(req: CompletionRequest, limits: Limits) -> Plan:
                           "not supported.", "prompt")
     if any(not p for p in prompts):
         raise bad_request("The prompt must not be empty.", "prompt")
+    for prompt in prompts:
+        limits.check_prompt_bytes(len(prompt.encode("utf-8")), "prompt")
     if req.suffix:
         raise bad_request("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
     n = req.n or 1
@@ -133,11 +152,12 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
         raise bad_request(f"'top_logprobs' is {req.top_logprobs}, but this engine returns only the chosen "
                           "token's log probability: use top_logprobs=0 or leave it out.", "top_logprobs",
                           "unsupported_value")
-    prompt = renderer.render(req.messages)
+    limits.check_prompt_bytes(sum(_message_bytes(m) for m in req.messages), "messages")
+    prompt = renderer.encode(req.messages)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
-        room = limits.context_length - renderer.count_tokens(prompt)
+        room = limits.context_length - len(prompt)
         if room <= 0:
             raise bad_request(f"The messages take {limits.context_length - room} tokens, which fills the "
                               f"model's context of {limits.context_length} tokens.", "messages",
@@ -146,10 +166,17 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
     _check_max_tokens(max_tokens, limits, param)
     n = req.n or 1
     guide = dict(zip(("guide_type", "guide"), _guide(req.response_format)))
-    requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, False,
+    requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, None,
                                                               bool(req.logprobs))]
     return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
+
+
+def _message_bytes(message) -> int:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
+    return len((content or "").encode("utf-8")) + len((message.name or "").encode("utf-8"))
 
 
 def _guide(response_format: dict | None) -> tuple[str | None, str | None]:

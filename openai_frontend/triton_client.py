@@ -46,6 +46,8 @@ class ModelInfo:
     max_seq_len: int | None  # None: the engine's model decides (see context_length)
     max_output_len: int | None
     engine_dir: str | None
+    max_input_len: int | None = None  # prompt tokens (preprocessing's parameter), if set
+    max_input_bytes: int | None = None  # the prompt's bytes (preprocessing's parameter), if set
 
 
 _UNAVAILABLE = re.compile(r"unknown model|not ready|not healthy|engine has stopped|engine stopped|"
@@ -170,7 +172,9 @@ class TritonClient:
         return ModelInfo(tokenizer_dir=params.get("tokenizer_dir"),
                          max_seq_len=get_int(params, "max_seq_len", None),
                          max_output_len=get_int(params, "max_output_len", None),
-                         engine_dir=params.get("gpt_model_path"))
+                         engine_dir=params.get("gpt_model_path"),
+                         max_input_len=get_int(params, "max_input_len", None),
+                         max_input_bytes=get_int(params, "max_input_bytes", None))
 
     async def generate(self, request: EngineRequest, request_id: str = "") -> AsyncIterator[EngineChunk]:
         """Stream one generation. Closing this generator early cancels the Triton request.

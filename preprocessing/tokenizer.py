@@ -3,7 +3,9 @@
 `TextTokenizer` wraps one Hugging Face tokenizer and produces exactly what the engine consumes:
 prompt ids, NVIDIA's stop/bad word-list tensors and an embedding-bias vector. Everything here is
 plain Python/numpy so the Triton adapter stays a thin shell and tests run without a server.
-The word-list tensor format is described in `ensemble.word_list`.
+The word-list tensor format is described in `ensemble.word_list`. Prompts are encoded so that
+special-token strings in the client's text stay text (`preprocessing.control_tokens`), and each
+size limit of `ensemble.limits` is checked before the work it bounds.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 import numpy as np
 
 from ensemble.errors import InputError
+from ensemble.limits import DEFAULT_MAX_NUM_WORDS, PromptLimits, check_count
 from ensemble.word_list import parse_word_list
+from preprocessing import control_tokens
 from preprocessing.loader import load_tokenizer
 
 
@@ -42,17 +46,23 @@ class TextTokenizer:
 
     Attributes: `tokenizer` (the HF tokenizer), `end_id` (eos id), `pad_id` (pad id, or eos when
     the tokenizer has none), `vocab_size` (len(tokenizer), computed once: recomputing it per call
-    rebuilds the whole vocabulary dict on some tokenizers).
+    rebuilds the whole vocabulary dict on some tokenizers), `limits` (the prompt's token and
+    byte limits), `max_num_words` (per word list), `parse_special_tokens` (the default of the
+    per-request opt-in: special-token strings in prompts become control tokens).
     """
 
     def __init__(self, tokenizer_dir: str | os.PathLike, add_special_tokens: bool = True,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, limits: PromptLimits | None = None,
+                 max_num_words: int = DEFAULT_MAX_NUM_WORDS, parse_special_tokens: bool = False) -> None:
         self.tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
         self.add_special_tokens = add_special_tokens
         self.end_id: int | None = self.tokenizer.eos_token_id
         pad_id = self.tokenizer.pad_token_id
         self.pad_id: int | None = pad_id if pad_id is not None else self.end_id
         self.vocab_size: int = len(self.tokenizer)
+        self.limits = limits or PromptLimits.derive()
+        self.max_num_words = max_num_words
+        self.parse_special_tokens = parse_special_tokens
 
     # Also reachable through the class, for adapters that hold only a TextTokenizer.
     decode_query = staticmethod(decode_query)
@@ -62,36 +72,62 @@ class TextTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    def encode_query(self, raw: Any, apply_chat_template: bool = False,
+                     add_special_tokens: bool | None = None,
+                     parse_special_tokens: bool | None = None) -> list[int]:
+        """One request's `text_input` element → token ids, its size checked before decoding."""
+        if isinstance(raw, np.ndarray) and raw.size == 1:
+            raw = raw.reshape(-1)[0]
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            self.limits.check_bytes(len(raw))
+        return self.encode(decode_query(raw), apply_chat_template, add_special_tokens, parse_special_tokens)
+
     def encode(self, text: str, apply_chat_template: bool = False,
-               add_special_tokens: bool | None = None) -> list[int]:
+               add_special_tokens: bool | None = None, parse_special_tokens: bool | None = None) -> list[int]:
         """Prompt text → token ids.
 
         With `apply_chat_template`, `text` becomes one user message followed by the assistant
         generation prompt; the template already writes BOS etc., so no extra special tokens are
         added. Without it, special tokens follow `add_special_tokens` when given (per request:
         a client that rendered a chat template itself sends false), else the value given at
-        construction.
-        Raises InputError for an empty prompt, a prompt that encodes to no tokens, or a chat
-        template request on a tokenizer that has none.
+        construction. Special-token strings in `text` stay text unless `parse_special_tokens`
+        (default: the value given at construction).
+        Raises InputError for an empty prompt, one over the byte or token limit, one that
+        encodes to no tokens, or a chat template request on a tokenizer that has none.
         """
         if not isinstance(text, str):
             raise InputError(f"prompt must be a string, got {type(text).__name__}")
         if not text:
             raise InputError("text_input is empty")
+        if 4 * len(text) > self.limits.max_input_bytes:  # else it fits: UTF-8 takes <= 4 bytes a character
+            self.limits.check_bytes(len(text.encode("utf-8")))
+        if parse_special_tokens is None:
+            parse_special_tokens = self.parse_special_tokens
         if apply_chat_template:
             if not self.has_chat_template:
                 raise InputError("apply_chat_template was requested but this tokenizer has no chat template")
-            prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = control_tokens.encode_chat(self.tokenizer, [{"role": "user", "content": text}],
+                                             parse_special_tokens)
         else:
             if add_special_tokens is None:
                 add_special_tokens = self.add_special_tokens
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        ids = [int(i) for i in ids]
+            ids = control_tokens.encode_text(self.tokenizer, text, add_special_tokens, parse_special_tokens)
         if not ids:
             raise InputError("text_input encodes to no tokens")
+        self.limits.check_tokens(len(ids))
         return ids
+
+    def check_ids(self, ids: np.ndarray) -> list[int]:
+        """A client's own prompt ids (`input_ids`) → a list, checked as an encoded prompt is."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0:
+            raise InputError("input_ids is empty")
+        self.limits.check_tokens(int(ids.size), "input_ids")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise InputError(f"input_ids hold id {low if low < 0 else high}, outside the vocabulary "
+                             f"of {self.vocab_size} tokens")
+        return ids.astype(np.int64).tolist()
 
     def _word_ids(self, word: Any) -> list[int]:
         """Ids of one stop/bad/bias word, never with special tokens (they would never match)."""
@@ -103,12 +139,16 @@ class TextTokenizer:
             return []
         return [int(i) for i in self.tokenizer.encode(word, add_special_tokens=False)]
 
-    def word_list(self, rows: list[list[str]]) -> np.ndarray:
+    def word_list(self, rows: list[list[str]], name: str = "stop_words") -> np.ndarray:
         """Words per batch row → int32 `[batch, 2, N]` in NVIDIA's stop/bad-words format.
 
         N is the longest row's total id count; words that encode to nothing are skipped, and a
-        batch without any word gives `[batch, 2, 0]`.
+        batch without any word gives `[batch, 2, 0]`. Raises InputError, naming `name`, for a row
+        of more than `max_num_words` words or more bytes than a prompt may have.
         """
+        for row in rows:
+            check_count(name, len(row), self.max_num_words, "max_num_words")
+            self.limits.check_bytes(sum(len(word or "") for word in row), name)
         flat_rows: list[list[int]] = []
         offset_rows: list[list[int]] = []
         for row in rows:
@@ -140,6 +180,7 @@ class TextTokenizer:
                              f"embedding_bias_weights has {len(weights)}")
         if not words:
             return np.zeros((0,), dtype=np.float32)
+        check_count("embedding_bias_words", len(words), self.max_num_words, "max_num_words")
         bad = [w for w in weights if np.isnan(w) or w == np.inf]
         if bad:
             raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a "

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fill_template import fill, split_pairs  # noqa: E402
 
 from ensemble.io_contract import MODELS  # noqa: E402
+from ensemble.limits import DEFAULT_MAX_GUIDE_BYTES, DEFAULT_MAX_NUM_WORDS  # noqa: E402
 from inflight.serving.params import template_defaults  # noqa: E402
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
@@ -57,6 +58,15 @@ DEFAULTS = {
     # Per-request limits (prompt tokens, max_tokens); unset: only the model's context bounds them.
     "max_input_len": "",
     "max_output_len": "",
+    # The prompt's UTF-8 bytes, checked before tokenizing; unset: 32 bytes a token of max_input_len.
+    "max_input_bytes": "",
+    # Words per stop_words / bad_words / embedding_bias_words list, and a guided-decoding
+    # guide's bytes (ensemble/limits.py).
+    "max_num_words": str(DEFAULT_MAX_NUM_WORDS),
+    "max_guide_bytes": str(DEFAULT_MAX_GUIDE_BYTES),
+    # true: special-token strings in text_input become control tokens (a client that renders
+    # a chat template itself and sends its markers as text, e.g. Triton's OpenAI frontend).
+    "parse_special_tokens": "false",
     "dtype": "auto",
     "device": "auto",
     "batch_scheduler_policy": "guaranteed_no_evict",

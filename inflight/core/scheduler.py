@@ -117,6 +117,22 @@ class Scheduler:
                     f"but the cache has {num_total_blocks} blocks")
         return None
 
+    def check_group_fits(self, seq: Sequence, num_sequences: int) -> str | None:
+        """None if `num_sequences` sequences like `seq`, sharing its prompt (num_return_sequences
+        forks), fit in the cache together, else why not. The prompt's full blocks are held once;
+        every sequence holds its own last prompt block and its generated tokens. A request may
+        ask for no more than the whole cache, however its sequences are scheduled."""
+        block_size = self.block_manager.block_size
+        num_blocks_each = self.block_manager.num_blocks_for(seq.max_total_tokens)
+        num_shared = seq.num_prompt_tokens // block_size
+        num_blocks = num_blocks_each + (num_sequences - 1) * (num_blocks_each - num_shared)
+        num_total_blocks = self.block_manager.num_total_blocks
+        if num_blocks > num_total_blocks:
+            return (f"request needs {num_blocks} KV blocks (prompt {seq.num_prompt_tokens} tokens, "
+                    f"shared, + max_tokens {seq.max_new_tokens} tokens for each of "
+                    f"{num_sequences} return sequences) but the cache has {num_total_blocks} blocks")
+        return None
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows: running sequences first, then admitted waiting ones.
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from ensemble.errors import InputError
 from ensemble.io_contract import CONTEXT_TOKENS
+from ensemble.limits import DEFAULT_MAX_GUIDE_BYTES, DEFAULT_MAX_NUM_WORDS
+from ensemble.params import get_int
 from ensemble.word_list import parse_word_list
 from inflight.executor.features import BUILTIN_FEATURES, EngineFeatures, unsupported
 from inflight.executor.types import Request, RequestError, Response
@@ -38,10 +40,21 @@ class RequestOptions:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Operator limits from the model parameters; None means "no limit beyond the model's"."""
+    """Operator limits from the model parameters; None means "no limit beyond the model's".
+    `max_num_words` (per stop/bad word list) and `max_guide_bytes` are checked before any word
+    is read or any grammar compiled (`ensemble.limits`)."""
 
     max_input_len: int | None = None
     max_output_len: int | None = None
+    max_num_words: int = DEFAULT_MAX_NUM_WORDS
+    max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES
+
+    @classmethod
+    def from_params(cls, values: dict[str, str]) -> "RequestLimits":
+        """The limits a `config.pbtxt`'s parameters set (NVIDIA's keys, and ours)."""
+        return cls(get_int(values, "max_input_len", None), get_int(values, "max_output_len", None),
+                   get_int(values, "max_num_words", DEFAULT_MAX_NUM_WORDS),
+                   get_int(values, "max_guide_bytes", DEFAULT_MAX_GUIDE_BYTES))
 
 
 @dataclass
@@ -130,6 +143,7 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
         raise RequestError(f"request_output_len (max_tokens) is {max_tokens}, more than "
                            f"max_output_len ({limits.max_output_len}) allows")
     read.check_retention(inputs, row)
+    _check_guide_size(inputs, row, limits.max_guide_bytes)
     bias = read.row(inputs, "embedding_bias", row)
     return Request(
         input_token_ids=input_ids[row, :length].tolist(),
@@ -139,23 +153,36 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
         output_config=read.output_config(inputs, row, options.exclude_input),
         end_id=read.scalar(inputs, "end_id", row, int),
         pad_id=read.scalar(inputs, "pad_id", row, int),
-        stop_words=_words(inputs, "stop_words_list", row),
-        bad_words=_words(inputs, "bad_words_list", row),
+        stop_words=_words(inputs, "stop_words_list", row, limits.max_num_words),
+        bad_words=_words(inputs, "bad_words_list", row, limits.max_num_words),
         embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
         lora_config=read.lora_config(inputs, row),
         guided_decoding_params=read.guided_decoding(inputs, row),
     )
 
 
-def _words(inputs, name: str, row: int) -> list[list[int]] | None:
+def _words(inputs, name: str, row: int, max_num_words: int) -> list[list[int]] | None:
     arr = inputs.get(name)
     if arr is None or arr.size == 0:
         return None
     slab = arr[0] if arr.shape[0] == 1 else arr[row]
+    slab = np.asarray(slab)
+    # Counted before parsing, which walks the words one by one; a malformed slab is parse's to refuse.
+    num_words = int((slab[..., 1, :] != -1).sum()) if slab.ndim >= 2 and slab.shape[-2] == 2 else 0
+    if num_words > max_num_words:
+        raise RequestError(f"{name} has {num_words} words, more than max_num_words ({max_num_words}) allows")
     try:
         return parse_word_list(slab) or None
     except InputError as exc:
         raise RequestError(f"{name}: {exc}") from None
+
+
+def _check_guide_size(inputs, row: int, max_guide_bytes: int) -> None:
+    guide = read.row(inputs, "guided_decoding_guide", row)
+    num_bytes = max((len(g) for g in np.asarray(guide).reshape(-1)), default=0) if guide is not None else 0
+    if num_bytes > max_guide_bytes:
+        raise RequestError(f"guided_decoding_guide is {num_bytes} bytes, more than max_guide_bytes "
+                           f"({max_guide_bytes}) allows")
 
 
 def _beams(rows: list[list], dtype, pad) -> np.ndarray:

@@ -38,7 +38,7 @@ ENSEMBLE_CASES = [
     ("empty prompt", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
     ("invalid UTF-8", {"text_input": b"\xff\xfe bad", "max_tokens": 4}, "text_input is not valid UTF-8"),
     ("prompt longer than the context", {"text_input": LONG_PROMPT, "max_tokens": 4},
-     "exceeds the model's maximum sequence length"),
+     "more than max_input_len (8191) allows"),
     ("top_p above 1", {"text_input": "Hi", "max_tokens": 4, "top_p": 1.5},
      "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
     ("NaN temperature", {"text_input": "Hi", "max_tokens": 4, "temperature": float("nan")},
@@ -72,6 +72,23 @@ ENSEMBLE_CASES = [
      "unexpected shape for input 'text_input'"),
     ("return_log_probs as INT32", {"text_input": "Hi", "max_tokens": 4, "return_log_probs": _i32(1)},
      "data-type is 'INT32', but model 'ensemble' expects 'BOOL'"),
+    # Issue 22's limits: each refused before the work it bounds, naming the limit and its value.
+    ("a prompt over max_input_bytes", {"text_input": "x" * 300_000, "max_tokens": 4},
+     "text_input is 300000 bytes, more than max_input_bytes (262112) allows"),
+    ("num_return_sequences 10^6", {"text_input": "Hi", "max_tokens": 4, "num_return_sequences": 10**6},
+     "num_return_sequences 1000000 exceeds max_batch_size (64)"),
+    ("10,000 stop words", {"text_input": "Hi", "max_tokens": 4, "stop_words": ["w"] * 10_000},
+     "stop_words has 10000 entries, more than max_num_words (256) allows"),
+    ("a 1 MB guided-decoding schema", {"text_input": "Hi", "max_tokens": 4,
+                                       "guided_decoding_guide_type": "json_schema",
+                                       "guided_decoding_guide": '{"description": "' + "x" * (1 << 20) + '"}'},
+     "more than max_guide_bytes (65536) allows"),
+    ("neither text_input nor input_ids", {"max_tokens": 4},
+     "send the prompt as text_input or as input_ids (exactly one of them)"),
+    ("both text_input and input_ids", {"text_input": "Hi", "input_ids": _i32(1, 2), "max_tokens": 4},
+     "exactly one of them"),
+    ("input_ids past the vocabulary", {"input_ids": _i32(5, 10**6), "max_tokens": 4},
+     "input_ids hold id 1000000, outside the vocabulary of 49152 tokens"),
 ]
 
 ENGINE_BASE = {"input_ids": _i32(1, 2, 3), "input_lengths": _i32(3), "request_output_len": _i32(4)}
@@ -206,10 +223,11 @@ def test_bad_engine_input(server, traffic, name, values, message):
 
 
 def test_missing_input_gets_a_clear_error_over_http(server, traffic):
-    # Over a gRPC stream, Triton 2.51 drops this validation error without a response; HTTP has it.
+    # text_input is optional (input_ids may stand in), so preprocessing names both; Triton's own
+    # missing-input error never reached a gRPC stream (2.51 dropped it).
     def send_bad():
         [reply] = server.http_generate({"max_tokens": 5})
-        assert "missing required input(s) ['text_input']" in reply["error"]
+        assert "send the prompt as text_input or as input_ids" in reply["error"]
 
     traffic.run_case("missing text_input over HTTP", send_bad)
 

@@ -72,3 +72,28 @@ def test_engine_queue_limit(tiny_dir):
         engine.step()
     assert_kv_idle(engine)
     assert len(set(ids)) == 3
+
+
+def test_return_sequences_are_bounded_by_batch_rows_and_the_cache(tiny_dir):
+    """num_return_sequences had no bound: 10^6 sequences grew the engine by gigabytes before any
+    token. Refused before any state is built: beyond the batch's rows, or beyond the cache that
+    the sequences need together (the prompt's full blocks are shared)."""
+    from inflight.executor.types import SamplingConfig
+
+    engine = make_engine(tiny_dir, max_batch_size=8,
+                         kv_cache_config=KvCacheConfig(max_tokens=64, tokens_per_block=8))
+
+    def sampled(n, prompt_len=16, max_tokens=8):
+        return Request(list(range(1, prompt_len + 1)), max_tokens,
+                       sampling_config=SamplingConfig(temperature=1.0, top_k=5, num_return_sequences=n))
+
+    with pytest.raises(RequestError, match=r"num_return_sequences 1000000 exceeds max_batch_size \(8\)"):
+        engine.add_request(sampled(10**6))
+    # 16 prompt tokens (2 full blocks, shared) + 8 each: 3 blocks for the first, 1 more each.
+    message = ("request needs 9 KV blocks (prompt 16 tokens, shared, + max_tokens 8 tokens for each of "
+               "7 return sequences) but the cache has 8 blocks")
+    with pytest.raises(RequestError, match=re.escape(message)):
+        engine.add_request(sampled(7))
+    assert_kv_idle(engine)
+    responses = run(engine, [sampled(6)])  # 8 blocks: exactly the cache
+    assert len(responses) == 1

@@ -27,14 +27,16 @@ LIMITS = Limits(context_length=256)
 
 
 class FakeTokenizer:
+    """Renders `<role>content` per message then `<assistant>`; a word is a token, numbered by
+    its length."""
+
     chat_template = "fake"
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and not tokenize
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def encode(self, text, add_special_tokens):
-        return list(range(len(text.split())))
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=True,
+                            sanitize_control_tokens=False):
+        assert add_generation_prompt and tokenize and not return_dict and sanitize_control_tokens
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return [len(word) for word in text.split()]
 
 
 class FakeTriton:
@@ -127,11 +129,14 @@ def _chat(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi there"}], **fields)
 
 
-def test_chat_plan_renders_the_template_and_asks_for_no_extra_special_tokens():
+def test_chat_plan_sends_the_templates_ids_sanitized():
     plan = chat_plan(_chat(max_tokens=5), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
     [request] = plan.requests
-    assert request.prompt == "<user>Hi there<assistant>"
-    assert request.add_special_tokens is False and request.max_tokens == 5
+    assert request.prompt_ids == (len("<user>Hi"), len("there<assistant>"))
+    assert request.max_tokens == 5
+    [(tensor, raw)] = [(t, r) for t, r in ensemble_inputs(request) if t.name in ("input_ids", "text_input")]
+    assert tensor.name == "input_ids" and list(tensor.shape) == [1, 2] and tensor.datatype == "INT32"
+    assert np.frombuffer(raw, dtype="<i4").tolist() == [8, 16]
     # OpenAI's defaults, not greedy: without a top_p the engine (as TensorRT-LLM) would be greedy
     assert request.temperature == 1.0 and request.top_p == 1.0
 
@@ -351,3 +356,49 @@ def test_workers_auto_rule_and_flag():
     assert parse_args([]).workers == auto_workers()
     with _pytest.raises(SystemExit):
         parse_args(["--workers", "0"])
+
+
+# ----- size limits (issue 22) -------------------------------------------------------------------
+
+async def _post_raw(app, path, content, headers=None):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post(path, content=content,
+                                 headers={"content-type": "application/json", **(headers or {})})
+
+
+def _app_with(max_body_bytes, triton):
+    served = ServedModel("m", ChatRenderer(FakeTokenizer(), "m"), LIMITS, created=0)
+    return create_app(triton, served, max_body_bytes)
+
+
+def test_a_body_over_the_bound_gets_413_before_anything_reads_it():
+    triton = FakeTriton()
+    body = json.dumps({"model": "m", "prompt": "x" * 2000}).encode()
+    reply = _run(_post_raw(_app_with(1000, triton), "/v1/completions", body))
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert "1000 bytes" in reply.json()["error"]["message"] and triton.requests == []
+
+    async def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(20):
+            yield b" " * 100
+    reply = _run(_post_raw(_app_with(1000, triton), "/v1/completions", chunks()))
+    assert reply.status_code == 413 and triton.requests == []
+    small = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode()
+    assert _run(_post_raw(_app_with(1000, triton), "/v1/completions", small)).status_code == 200
+
+
+def test_a_prompt_over_max_input_bytes_is_refused_before_rendering():
+    limits = Limits(context_length=256)  # 255 prompt tokens: 8160 bytes
+    big = "x" * 8161
+    with pytest.raises(APIError, match=r"The 'prompt' is 8161 bytes, more than max_input_bytes \(8160\)"):
+        completion_plan(CompletionRequest(model="m", prompt=big), limits)
+
+    class Refusing(FakeTokenizer):
+        def apply_chat_template(self, *args, **kwargs):
+            raise AssertionError("rendered a refused conversation")
+
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": big}])
+    with pytest.raises(APIError) as info:
+        chat_plan(request, ChatRenderer(Refusing(), "m"), limits)
+    assert info.value.param == "messages" and info.value.code == "request_too_large"

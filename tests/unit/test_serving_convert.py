@@ -267,3 +267,21 @@ def test_decoder_ids_retention_hints_and_prompt_table_ids_alone_are_accepted():
                      retention_token_range_priorities=np.array([[80]], dtype=np.int32))
     [request], _ = convert.request_rows(inputs, decoupled=True, default_exclude_input=False)
     assert request.input_token_ids == [5, 6, 7]
+
+
+def test_word_lists_and_guides_are_bounded_before_they_are_read():
+    limits = convert.RequestLimits(max_num_words=2, max_guide_bytes=10)
+    three = np.array([[[5, 6, 7], [1, 2, 3]]], dtype=np.int32)
+    with pytest.raises(RequestError, match=r"stop_words_list has 3 words, more than max_num_words \(2\)"):
+        convert.request_rows(_inputs(stop_words_list=three), True, False, limits)
+    with pytest.raises(RequestError, match=r"bad_words_list has 3 words"):
+        convert.request_rows(_inputs(bad_words_list=three), True, False, limits)
+    two = np.array([[[5, 6, 7], [1, 3, -1]]], dtype=np.int32)
+    [request], _ = convert.request_rows(_inputs(stop_words_list=two), True, False, limits)
+    assert request.stop_words == [[5], [6, 7]]
+    guide = {"guided_decoding_guide_type": np.array([[b"json_schema"]], dtype=object),
+             "guided_decoding_guide": np.array([[b'{"type": "object"}']], dtype=object)}
+    with pytest.raises(RequestError, match=r"guided_decoding_guide is 18 bytes, more than max_guide_bytes \(10\)"):
+        convert.request_rows(_inputs(**guide), True, False, limits)
+    assert convert.RequestLimits.from_params({"max_num_words": "9", "max_guide_bytes": "99"}) == \
+        convert.RequestLimits(max_num_words=9, max_guide_bytes=99)

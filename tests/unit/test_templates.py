@@ -32,5 +32,7 @@ def test_bls_and_ensemble_share_the_text_interface():
 
 def test_nvidia_required_inputs_are_the_only_required_ones():
     assert TENSORRT_LLM.required_inputs == ("input_lengths", "request_output_len")
-    assert ENSEMBLE.required_inputs == ("text_input", "max_tokens")
-    assert MODELS["preprocessing"].required_inputs == ("QUERY", "REQUEST_OUTPUT_LEN")
+    # NVIDIA requires text_input (QUERY) too; ours takes input_ids in its place, and
+    # preprocessing refuses a request with neither (tests/e2e/test_control_tokens.py).
+    assert ENSEMBLE.required_inputs == ("max_tokens",)
+    assert MODELS["preprocessing"].required_inputs == ("REQUEST_OUTPUT_LEN",)

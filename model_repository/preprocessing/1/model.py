@@ -1,12 +1,17 @@
 """Triton adapter of the tokenizer model (`preprocessing`).
 
-Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE
-and ADD_SPECIAL_TOKENS). As NVIDIA's, it answers DECODER_INPUT_ID `[pad_id]` when no
+Inputs/outputs: `ensemble.io_contract.PREPROCESSING` (NVIDIA's names, plus APPLY_CHAT_TEMPLATE,
+ADD_SPECIAL_TOKENS, PARSE_SPECIAL_TOKENS and QUERY_IDS: a prompt already tokenized, sent instead of
+QUERY). As NVIDIA's, it answers DECODER_INPUT_ID `[pad_id]` when no
 DECODER_QUERY is given (the engine model ignores it for a decoder-only model); multimodal and
 decoder inputs are refused, since the served model is a text-only decoder. The ensemble's step
 and the BLS model get only the outputs that carry something (`preprocessing.step_outputs`).
 Parameters: tokenizer_dir (required), add_special_tokens (default true), trust_remote_code
-(default false). A bad request gets its own error; the rest of the dynamic batch carries on.
+(default false), parse_special_tokens (default false: special-token strings in prompts stay text),
+and the size limits of `ensemble.limits`: max_input_len (tokens; default the model's context less
+one, from max_seq_len or tokenizer_dir's config.json), max_input_bytes (default 32 bytes a token),
+max_num_words (per word list, default 256). A bad request gets its own error; the rest of the
+dynamic batch carries on.
 """
 
 import json
@@ -17,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 from ensemble import lifeline, params
 from ensemble.errors import InputError
 from ensemble.io_contract import PREPROCESSING
+from ensemble.limits import DEFAULT_MAX_NUM_WORDS, PromptLimits, model_context_length
 from preprocessing import step_outputs
 from preprocessing.tokenizer import TextTokenizer, decode_query
 
@@ -27,6 +33,10 @@ _UNSUPPORTED = {
     "IMAGE_URL": "image inputs are not supported: this model is text-only",
     "VIDEO_BYTES": "video inputs are not supported: this model is text-only",
 }
+
+
+# The names clients send these inputs under (the ensemble's), for errors.
+_CLIENT_NAMES = {"STOP_WORDS_DICT": "stop_words", "BAD_WORDS_DICT": "bad_words"}
 
 
 def _strings(tensor) -> list[list[str]]:
@@ -44,9 +54,17 @@ class TritonPythonModel:
         values = params.read_parameters(json.loads(args["model_config"]))
         if "tokenizer_dir" not in values:
             raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")
-        self.tokenizer = TextTokenizer(values["tokenizer_dir"],
-                                       add_special_tokens=params.get_bool(values, "add_special_tokens", True),
-                                       trust_remote_code=params.get_bool(values, "trust_remote_code", False))
+        tokenizer_dir = values["tokenizer_dir"]
+        # The engine's rule: max_seq_len, capped by the model's context.
+        contexts = [params.get_int(values, "max_seq_len", None), model_context_length(tokenizer_dir)]
+        limits = PromptLimits.derive(params.get_int(values, "max_input_len", None),
+                                     min(filter(None, contexts), default=None),
+                                     params.get_int(values, "max_input_bytes", None))
+        self.tokenizer = TextTokenizer(
+            tokenizer_dir, add_special_tokens=params.get_bool(values, "add_special_tokens", True),
+            trust_remote_code=params.get_bool(values, "trust_remote_code", False), limits=limits,
+            max_num_words=params.get_int(values, "max_num_words", DEFAULT_MAX_NUM_WORDS),
+            parse_special_tokens=params.get_bool(values, "parse_special_tokens", False))
 
     def execute(self, requests):
         responses = []
@@ -83,18 +101,12 @@ class TritonPythonModel:
             # Empty strings are what clients send for "none" (NVIDIA's scripts do).
             if values.size and (values.dtype != np.object_ or any(len(v) for v in values.reshape(-1))):
                 raise InputError(reason)
-        queries = find("QUERY").as_numpy().reshape(-1)
-        batch = len(queries)
-        max_tokens = find("REQUEST_OUTPUT_LEN").as_numpy().reshape(batch, -1)
+        max_tokens = find("REQUEST_OUTPUT_LEN").as_numpy()
+        batch = max_tokens.shape[0]
+        max_tokens = max_tokens.reshape(batch, -1)
         if (max_tokens <= 0).any():
             raise InputError(f"max_tokens must be > 0, got {int(max_tokens.min())}")
-        chat = find("APPLY_CHAT_TEMPLATE")
-        chat = bool(chat.as_numpy().reshape(-1)[0]) if chat is not None else False
-        special = find("ADD_SPECIAL_TOKENS")
-        special = bool(special.as_numpy().reshape(-1)[0]) if special is not None else None
-        ids = [self.tokenizer.encode(decode_query(q), apply_chat_template=chat, add_special_tokens=special)
-               for q in queries]
-
+        ids = self._prompts(find, batch)
         end_id = self._scalar_or(find, "END_ID", self.tokenizer.end_id, batch)
         pad_id = self._scalar_or(find, "PAD_ID", self.tokenizer.pad_id, batch)
         width = max(len(row) for row in ids)
@@ -132,6 +144,23 @@ class TritonPythonModel:
             outputs["OUT_PROMPT_TABLE_EXTRA_IDS"] = np.repeat(extra, width, axis=1)
         return outputs
 
+    def _prompts(self, find, batch) -> list[list[int]]:
+        """Each row's prompt ids: QUERY tokenized, or QUERY_IDS as the client sent them."""
+        query, query_ids = find("QUERY"), find("QUERY_IDS")
+        if (query is None) == (query_ids is None):
+            raise InputError("send the prompt as text_input or as input_ids (exactly one of them)")
+        if query_ids is not None:
+            return [self.tokenizer.check_ids(row) for row in query_ids.as_numpy().reshape(batch, -1)]
+        chat = self._flag(find, "APPLY_CHAT_TEMPLATE", False)
+        special = self._flag(find, "ADD_SPECIAL_TOKENS", None)
+        parse = self._flag(find, "PARSE_SPECIAL_TOKENS", None)
+        return [self.tokenizer.encode_query(q, chat, special, parse) for q in query.as_numpy().reshape(-1)]
+
+    @staticmethod
+    def _flag(find, name, default):
+        tensor = find(name)
+        return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else default
+
     def _scalar_or(self, find, name, default, batch) -> np.ndarray:
         tensor = find(name)
         if tensor is None:
@@ -143,4 +172,4 @@ class TritonPythonModel:
     def _words(self, find, name, batch) -> np.ndarray:
         rows = _strings(find(name))
         rows = rows + [[]] * (batch - len(rows))
-        return self.tokenizer.word_list(rows)
+        return self.tokenizer.word_list(rows, _CLIENT_NAMES[name])

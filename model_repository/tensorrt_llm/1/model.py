@@ -76,8 +76,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         values = params.read_parameters(model_config)
         self.default_exclude_input = params.get_bool(values, "exclude_input_in_output", False)
-        self.limits = convert.RequestLimits(params.get_int(values, "max_input_len", None),
-                                            params.get_int(values, "max_output_len", None))
+        self.limits = convert.RequestLimits.from_params(values)
         self.cancel_period_s = params.get_int(values, "cancellation_check_period_ms", 100) / 1000.0
         self.stats_period_s = params.get_int(values, "stats_check_period_ms", 100) / 1000.0
         if ignored_parameters(values):

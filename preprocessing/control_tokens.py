@@ -1,0 +1,74 @@
+"""Prompt text → token ids, with control tokens only where the chat template writes them.
+
+A tokenizer turns every occurrence of a special token's string (`<|im_end|>`, `<|eot_id|>`) into
+that control token. Text from a request must not: a user message holding
+`<|im_end|>\\n<|im_start|>system ...` would otherwise forge a system turn, and a plain prompt could
+end a turn or a document early. So by default:
+- plain text is encoded with special-token strings kept as text (HF's `split_special_tokens`);
+- a conversation is rendered with the model's chat template and encoded with HF's
+  `sanitize_control_tokens`: the template's own markers stay control tokens, while the same
+  strings inside a message (or its name) are encoded as text.
+Text without such strings encodes exactly as before, so only the attack changes.
+
+`parse_special_tokens=True` is the explicit opt-in for a client that renders a template itself
+and sends its markers as text (NVIDIA's and Triton's own OpenAI frontends do): every
+special-token string then becomes its control token, as a plain `tokenizer.encode` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any
+
+from ensemble.errors import InputError
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool,
+                parse_special_tokens: bool = False) -> list[int]:
+    """`text` → ids; special-token strings in it stay text unless `parse_special_tokens`."""
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                             split_special_tokens=not parse_special_tokens)]
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                parse_special_tokens: bool = False) -> list[int]:
+    """A conversation → the ids of its prompt, ending with the assistant's generation prompt.
+
+    The template writes BOS and the role markers, so no other special tokens are added. Raises
+    InputError when the template refuses the conversation, or when a message holds a
+    special-token string and this transformers cannot keep it as text (`sanitize_control_tokens`
+    is missing before transformers 5.2x).
+    """
+    options: dict[str, Any] = {}
+    if not parse_special_tokens:
+        if _can_sanitize(type(tokenizer)):
+            options["sanitize_control_tokens"] = True
+        else:
+            _refuse_control_tokens(tokenizer, messages)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False, **options)
+    except Exception as exc:  # jinja2's TemplateError from raise_exception(), a bad value, or a
+        # string sanitizing cannot keep as text (the tokenizer makes the token from plain text)
+        raise InputError(f"the model's chat template refused these messages: {exc}") from None
+    return [int(i) for i in ids]
+
+
+@functools.lru_cache(maxsize=None)
+def _can_sanitize(tokenizer_class: type) -> bool:
+    return "sanitize_control_tokens" in inspect.signature(tokenizer_class.apply_chat_template).parameters
+
+
+def _refuse_control_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    if not specials:
+        return
+    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+    for index, message in enumerate(messages):
+        for value in message.values():
+            found = pattern.search(value) if isinstance(value, str) else None
+            if found:
+                raise InputError(f"message {index} holds the control token {found.group()!r}, which "
+                                 "this server's transformers cannot keep as text; remove it")

@@ -16,6 +16,25 @@ Lifetime: the server dies with the launcher, even when the launcher is killed. S
 (Ctrl-C) drains: readiness turns false and new requests are refused at once, requests in flight
 get `--exit_timeout` seconds to finish, the rest end with a clear error, then the server stops
 and the launcher exits 0. A second signal ends the drain at once.
+
+Recovery: once the server has been ready, the launcher restarts it when
+- it exits without being told to (a crash, a kill, any exit code), or
+- a model that was ready answers "not ready" for more than `--unready_restart_s` seconds in a
+  row (default 5) while no drain is under way: a dead engine unloads its model (and the
+  ensemble), and Triton would stay up but unready for ever. Only the launcher's own drain
+  unloads a model otherwise, and the watch has ended by then. Readiness is probed once a second;
+  a probe that gets no answer does not count, so a busy server is not restarted.
+A running server to be restarted gets RESTART_STOP_TIMEOUT_S to stop, then is killed. Each
+restart waits `--restart_backoff_s` (1 s), doubled for each further restart in the window, at
+most MAX_RESTART_DELAY_S; after `--max_restarts` restarts (5) within `--restart_window_s` (600 s)
+the launcher gives up and exits 1 (`--max_restarts 0`: never restart). Each restart is logged
+on stderr with the cause (exit code or signal), its number and its delay. A server that dies
+before it was ever ready is a configuration problem: the launcher exits 1 at once. Every run
+gets a new control secret. A stop signal during the wait before a restart exits 0 at once.
+
+Shared memory: at start the launcher removes the python backend's /dev/shm/inflight* files
+that servers that are gone left behind (inflight/recovery.py says which are safe to remove),
+and after its own server exits, the files under `--shm_prefix`.
 """
 
 from __future__ import annotations
@@ -32,8 +51,6 @@ import sysconfig
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +61,10 @@ import tritonclient.grpc as grpcclient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.supervisor import StopSignals, die_with_parent, terminate, watch  # noqa: E402
+from inflight import recovery  # noqa: E402
+from inflight.supervisor import StopSignals, die_with_parent, terminate  # noqa: E402
+# Re-exported: tools and tests call these through this module.
+from triton_probe import ServerError, health, local_host, wait_ready, watch_ready_server  # noqa: E402,F401
 
 from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
 
@@ -61,10 +81,12 @@ ADMIN_HEADER = re.compile(r"([a-z0-9][a-z0-9-]*)=([A-Za-z0-9._~+/-]{16,})")
 TRITON_EXIT_TIMEOUT_S = 30
 # How long the drain may run past its grace period (the last responses, the final steps).
 DRAIN_SLACK_S = 30
-
-
-class ServerError(RuntimeError):
-    pass
+# Restarts: the longest wait between two; how long a broken but running server gets to stop
+# before it is killed (its engine is dead: there is nothing to drain); how long its stubs get to
+# die before its shared-memory files are removed.
+MAX_RESTART_DELAY_S = 30
+RESTART_STOP_TIMEOUT_S = 10
+GROUP_EXIT_TIMEOUT_S = 5
 
 
 def pytriton_root() -> Path:
@@ -134,38 +156,6 @@ def server_command(args, backend_dir: Path | None) -> list[str]:
     if args.log_file:
         cmd.append(f"--log-file={args.log_file}")
     return cmd + list(args.extra or [])
-
-
-def local_host(host: str) -> str:
-    """An address that reaches a server bound to `host` from this machine."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-
-
-def health(host: str, http_port: int) -> int | None:
-    """The HTTP status of /v2/health/ready, or None if the server does not answer."""
-    url = f"http://{local_host(host)}:{http_port}/v2/health/ready"
-    try:
-        with urllib.request.urlopen(url, timeout=1) as reply:
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def wait_ready(process: subprocess.Popen, host: str, http_port: int, timeout_s: float,
-               stop: threading.Event | None = None) -> bool:
-    """True once the server is ready; False if `stop` was set first."""
-    stop = stop or threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServerError(f"tritonserver exited with code {process.returncode} before it was ready")
-        if health(host, http_port) == 200:
-            return True
-        if stop.wait(0.25):
-            return False
-    raise ServerError(f"tritonserver was not ready within {timeout_s:.0f} s")
 
 
 @dataclass
@@ -265,6 +255,63 @@ def shutdown(launched: Launched, args, signals: StopSignals) -> None:
     print(f"tritonserver stopped (exit code {launched.process.returncode})", flush=True)
 
 
+def clean_up(launched: Launched, args, timeout_s: float = TRITON_EXIT_TIMEOUT_S + 20) -> None:
+    """Stop the server if it still runs, wait for its process group to be gone, then remove its
+    scratch directory and the shared-memory regions it left."""
+    stop(launched.process, timeout_s)
+    deadline = time.monotonic() + GROUP_EXIT_TIMEOUT_S
+    while recovery.group_is_alive(launched.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(launched.work_dir, ignore_errors=True)
+    recovery.remove_own_shm(args.shm_prefix)
+
+
+def serve(args, signals: StopSignals) -> int:
+    """Start the server, restart it as `RestartPolicy` allows while it keeps failing, drain it
+    on a stop signal. The exit status: 0 after a stop signal, 1 when it gives up."""
+    policy = recovery.RestartPolicy(args.max_restarts, args.restart_window_s, args.restart_backoff_s,
+                                    MAX_RESTART_DELAY_S)
+    launched = launch(args)
+    has_been_ready = False
+    try:
+        while True:
+            try:
+                if not wait_ready(launched.process, args.host, args.http_port, args.ready_timeout,
+                                  signals.stop):
+                    print("stopped before the server was ready", flush=True)
+                    return 0
+            except ServerError as exc:
+                if not has_been_ready:  # never served: its configuration, not a crash
+                    raise
+                reason = str(exc)
+            else:
+                print(f"tritonserver {'ready again' if has_been_ready else 'ready'}: http {args.host}:"
+                      f"{args.http_port}, grpc {args.host}:{args.grpc_port}, metrics {args.host}:"
+                      f"{args.metrics_port} (Ctrl-C or SIGTERM drains and stops it)", flush=True)
+                has_been_ready = True
+                reason = watch_ready_server(launched.process, args.host, args.http_port, args.model_repo,
+                                            args.unready_restart_s, signals.stop)
+                if reason is None:
+                    shutdown(launched, args, signals)
+                    return 0
+            clean_up(launched, args, RESTART_STOP_TIMEOUT_S)
+            delay_s = policy.next_delay_s(time.monotonic())
+            if delay_s is None:
+                print(f"error: {reason}; giving up: {policy.num_recent} restarts within "
+                      f"{args.restart_window_s:g} s (--max_restarts {args.max_restarts})",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"{reason}; restarting tritonserver in {delay_s:g} s (restart {policy.num_recent} "
+                  f"of at most {args.max_restarts} within {args.restart_window_s:g} s)",
+                  file=sys.stderr, flush=True)
+            if signals.stop.wait(delay_s):
+                print("stopped while waiting to restart tritonserver", flush=True)
+                return 0
+            launched = launch(args)  # a new control secret: drains sign with launched.auth
+    finally:
+        clean_up(launched, args)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_repo", required=True, help="a filled model repository")
@@ -286,6 +333,17 @@ def parse_args(argv=None):
     parser.add_argument("--shm_prefix", default=f"inflight{os.getpid()}_",
                         help="python backend shared-memory prefix (unique per server)")
     parser.add_argument("--ready_timeout", type=float, default=300)
+    parser.add_argument("--max_restarts", type=int, default=5,
+                        help="restarts allowed within --restart_window_s before giving up (exit 1); "
+                             "0: never restart (default 5)")
+    parser.add_argument("--restart_window_s", type=float, default=600,
+                        help="the window --max_restarts counts in, seconds (default 600)")
+    parser.add_argument("--restart_backoff_s", type=float, default=1,
+                        help=f"wait before the first restart, doubled for each further one in the "
+                             f"window, at most {MAX_RESTART_DELAY_S:g} s (default 1)")
+    parser.add_argument("--unready_restart_s", type=float, default=5,
+                        help="restart when a model that was ready stays not ready this long "
+                             "(the engine died); 0: never (default 5)")
     parser.add_argument("extra", nargs="*", help="more tritonserver flags, after --")
     args = parser.parse_args(argv)
     if args.admin_header and not ADMIN_HEADER.fullmatch(args.admin_header):
@@ -293,6 +351,9 @@ def parse_args(argv=None):
                      "VALUE 16 or more of A-Z a-z 0-9 . _ ~ + / -")
     if args.exit_timeout < 0:
         parser.error("--exit_timeout must be >= 0")
+    if args.max_restarts < 0 or args.restart_window_s <= 0 or not 0 <= args.restart_backoff_s <= MAX_RESTART_DELAY_S:
+        parser.error(f"need --max_restarts >= 0, --restart_window_s > 0 and --restart_backoff_s in "
+                     f"[0, {MAX_RESTART_DELAY_S:g}]")
     args.log_verbose = 1 if args.log else 0
     return args
 
@@ -300,25 +361,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     signals = StopSignals().install()
-    launched = launch(args)
+    removed = recovery.remove_stale_shm()
+    if removed:
+        print(f"removed {len(removed)} shared-memory files left in /dev/shm by servers that are gone",
+              flush=True)
     try:
-        if not wait_ready(launched.process, args.host, args.http_port, args.ready_timeout, signals.stop):
-            print("stopped before the server was ready", flush=True)
-            return 0
-        print(f"tritonserver ready: http {args.host}:{args.http_port}, grpc {args.host}:{args.grpc_port}, "
-              f"metrics {args.host}:{args.metrics_port} (Ctrl-C or SIGTERM drains and stops it)", flush=True)
-        exited = watch([launched.process], signals.stop)
-        if exited is not None:
-            print(f"error: tritonserver exited with code {exited.returncode}", file=sys.stderr)
-            return 1
-        shutdown(launched, args, signals)
-        return 0
+        return serve(args, signals)
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        stop(launched.process)
-        shutil.rmtree(launched.work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ Triton is started by `tools/launch_triton_server.py` (every flag but this tool's
 unchanged), the frontend by `python -m openai_frontend` once Triton is ready; then both
 addresses are printed. Ctrl-C or SIGTERM drains both at once: each refuses new requests and
 lets those in flight finish for `--exit_timeout` seconds (default 30), then ends the rest with
-an error; a second signal is passed on, and both end their requests at once. If either child
-exits, the other is stopped and this tool exits non-zero. Children are supervised as
-`inflight/supervisor.py` describes: each in its own session, killed by the kernel if this tool dies.
+an error; a second signal is passed on, and both end their requests at once.
+
+The launcher restarts a tritonserver that crashes (see its docstring): meanwhile the frontend
+answers 503 and this tool keeps running. Every wait here, the start-up included, watches both
+children: if either exits (the launcher when it gives up restarting), the other is stopped and
+this tool exits 1 at once. Children are supervised as `inflight/supervisor.py` describes: each
+in its own session, killed by the kernel if this tool dies.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,19 +46,25 @@ def frontend_command(triton_grpc: str, host: str, port: int, extra: list[str] | 
             "--port", str(port), *(extra or [])]
 
 
-def wait_http_ok(process: subprocess.Popen, url: str, timeout_s: float, what: str) -> None:
-    """Poll `url` until it answers 200; raise ServerError if `process` exits or time runs out."""
+def wait_http_ok(children: subprocess.Popen | list[subprocess.Popen], url: str, timeout_s: float,
+                 what: str, stop: threading.Event | None = None) -> bool:
+    """Poll `url` until it answers 200 (True) or `stop` is set (False); raise ServerError if any
+    of `children` (one or a list) exits or time runs out."""
+    children = children if isinstance(children, list) else [children]
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise launch_triton_server.ServerError(f"{what} exited with code {process.returncode}")
+        for child in children:
+            if child.poll() is not None:
+                raise launch_triton_server.ServerError(f"{_name(child)} exited with code {child.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1) as reply:
                 if reply.status == 200:
-                    return
+                    return True
         except OSError:
             pass
-        time.sleep(0.2)
+        if stop.wait(0.2):
+            return False
     raise launch_triton_server.ServerError(f"{what} was not ready within {timeout_s:.0f} s")
 
 
@@ -64,7 +75,9 @@ def stop(process: subprocess.Popen | None, timeout_s: float) -> None:
 
 
 def _name(child: subprocess.Popen) -> str:
-    return "tritonserver's launcher" if "launch_triton_server" in str(child.args) else "the OpenAI frontend"
+    if "launch_triton_server" in str(child.args):
+        return "tritonserver's launcher"
+    return "the OpenAI frontend" if "openai_frontend" in str(child.args) else f"process {child.pid}"
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -83,29 +96,30 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 def main(argv=None) -> int:
     args, launcher_argv = parse_args(argv)
     triton = launch_triton_server.parse_args(launcher_argv)  # to know its ports; it parses them again
-    local = "127.0.0.1" if triton.host in ("0.0.0.0", "") else triton.host
+    local = launch_triton_server.local_host(triton.host)
     signals = StopSignals().install()
     launcher = frontend = None
     try:
         launcher = start([sys.executable, str(TOOLS / "launch_triton_server.py"), *launcher_argv])
-        if not launch_triton_server.wait_ready(launcher, triton.host, triton.http_port,
-                                               triton.ready_timeout, signals.stop):
+        if not wait_http_ok([launcher], f"http://{local}:{triton.http_port}/v2/health/ready",
+                            triton.ready_timeout, "tritonserver", signals.stop):
             return 0
         extra = ["--drain-timeout-s", str(triton.exit_timeout)]
         if args.served_model_name:
             extra += ["--served-model-name", args.served_model_name]
         frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
                                           extra))
-        wait_http_ok(frontend, f"http://{local}:{args.openai_port}/health/ready",
-                     args.frontend_ready_timeout, "the OpenAI frontend")
+        if not wait_http_ok([launcher, frontend], f"http://{local}:{args.openai_port}/health/ready",
+                            args.frontend_ready_timeout, "the OpenAI frontend", signals.stop):
+            return 0
         print(f"Triton:     http://{triton.host}:{triton.http_port}  grpc {triton.host}:{triton.grpc_port}  "
               f"metrics http://{triton.host}:{triton.metrics_port}/metrics", flush=True)
         print(f"OpenAI API: http://{triton.host}:{args.openai_port}/v1  "
               f"(model '{args.served_model_name or 'ensemble'}'; Ctrl-C stops both)", flush=True)
         exited = watch([launcher, frontend], signals.stop)
         if exited is not None:
-            which = "tritonserver's launcher" if exited is launcher else "the OpenAI frontend"
-            print(f"error: {which} exited; stopping the other", file=sys.stderr)
+            print(f"error: {_name(exited)} exited (code {exited.returncode}); stopping the other",
+                  file=sys.stderr)
             return 1
         print("stopping the OpenAI frontend and tritonserver", flush=True)
         return 0

@@ -13,9 +13,16 @@ Starts its own tritonserver (the default model behind the ensemble) and prints:
    (one fits at a time), and one of ~1,740 that never fits;
    fault isolation: a request whose sampling breaks (a repetition penalty of 1e-45 overflows
    its logits) next to good streams;
-4. drain: the launcher's drain with streams in flight, and how long it took;
-5. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON, a
+4. issue 22's attacks beside them: size limits are among the malformed requests (a 100 MB
+   body, a 10 MB prompt, a million return sequences, 10,000 stop or bad words, a 1 MB schema);
+   the OpenAI frontend gets its own (a 100 MB body, a huge `n`, 10,000 stop strings, a 1 MB
+   schema, a forged system turn), and the ensemble a template injection
+   (tools/reliability_attacks.py);
+5. drain: the launcher's drain with streams in flight, and how long it took;
+6. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON, a
    huge claimed shape); whether the server survived them.
+Throughout, the resident memory of every server process (tritonserver, its python stubs, the
+engine process, the frontend) is sampled: the report gives each one's idle size, peak and growth.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
+import serve  # noqa: E402
+from process_memory import ProcessMemory  # noqa: E402
+from reliability_attacks import ensemble_injection, frontend_attacks  # noqa: E402
 from reliability_cases import CASES, Case  # noqa: E402
-from tests.e2e.server import collect, launch_triton_server, running_server  # noqa: E402
+from tests.e2e.server import collect, free_ports, launch_triton_server, running_server  # noqa: E402
 
 GOOD = {"text_input": "Write a short poem about the sea.", "max_tokens": 48, "stream": True,
         "apply_chat_template": True, "exclude_input_in_output": True}
@@ -77,7 +87,7 @@ def _grpc(server, case: Case):
 
 
 def _http_error(server, case: Case) -> str | None:
-    body = case.raw if case.raw is not None else json.dumps(case.values).encode()
+    body = case.body()
     path = f"/v2/models/{case.model}/{case.http_path}"
     request = urllib.request.Request(server.http_url + path, data=body,
                                      headers={"Content-Type": "application/json"})
@@ -111,19 +121,30 @@ def good_streams(server, reference: str, stop: threading.Event) -> list[str]:
     return problems
 
 
-def run_cases(server) -> dict:
+def beside_good_streams(server, function, *args):
+    """(function(*args), the good streams' report): good streams run the whole time."""
     reference = server.stream(GOOD).text
     stop = threading.Event()
-    outcomes = []
     with ThreadPoolExecutor(1) as pool:
         streams = pool.submit(good_streams, server, reference, stop)
+        try:
+            result = function(*args)
+        finally:
+            stop.set()
+        return result, streams.result()
+
+
+def run_cases(server) -> dict:
+    def send_all():
+        outcomes = []
         for case in CASES:
             outcome, message = send_case(server, case)
             outcomes.append((case, outcome, message))
             if outcome == "crash":
                 break
-        stop.set()
-        stream_report = streams.result()
+        return outcomes
+
+    outcomes, stream_report = beside_good_streams(server, send_all)
     return {"outcomes": outcomes, "streams": stream_report}
 
 
@@ -211,7 +232,21 @@ def run_crashers(server) -> list[tuple[str, str]]:
     return results
 
 
-def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, drain: dict, crashers) -> None:
+def run_attacks(server, frontend_url: str, model_dir: Path) -> list[tuple[str, str]]:
+    from preprocessing.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+
+    def attack():
+        return ([("ensemble: a forged system turn", ensemble_injection(server, tokenizer))]
+                + [(f"frontend: {name}", outcome) for name, outcome in frontend_attacks(frontend_url, tokenizer)])
+
+    outcomes, stream_report = beside_good_streams(server, attack)
+    return outcomes + [("good streams meanwhile", "; ".join(stream_report))]
+
+
+def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, attacks, drain: dict, crashers,
+                 memory: ProcessMemory) -> None:
     if "outcomes" in cases:
         outcomes = cases["outcomes"]
         counts = Counter(o for _, o, _ in outcomes)
@@ -228,11 +263,16 @@ def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, drain: dict
     print(f"cancellations: {cancels}")
     print(f"fault isolation: {faults}")
     print(f"KV exhaustion: {kv}")
+    for name, outcome in attacks if isinstance(attacks, list) else [("attacks", attacks)]:
+        print(f"attack {name}: {outcome}")
     print(f"drain: {drain}")
     for name, result in crashers if isinstance(crashers, list) else []:
         print(f"crasher {name}: {result}")
     if crashers is not None and not isinstance(crashers, list):
         print(f"crashers: {crashers}")
+    print(f"memory (largest growth over idle {memory.max_growth_bytes() / (1 << 20):.0f} MiB):")
+    for line in memory.report():
+        print(f"  {line}")
 
 
 def _phase(name: str, function, *args):
@@ -254,17 +294,31 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    with running_server(Path(args.model), work, kv_cache_cpu_mem_bytes=KV_CACHE_BYTES) as server:
-        print("server ready; sending malformed requests", flush=True)
-        cases = _phase("malformed requests", run_cases, server)
-        cancels = _phase("cancellations", run_cancels, server)
-        faults = _phase("fault isolation", run_fault_isolation, server)
-        kv = _phase("KV exhaustion", run_kv_exhaustion, server)
-        drain = _phase("drain", run_drain, server)
-        # Last: they may take the server down. The drain unloaded the ensemble, so they go to
-        # tensorrt_llm_bls and preprocessing, which stay loaded.
-        crashers = None if args.skip_crashers else _phase("crashers", run_crashers, server)
-    print_report(cases, cancels, faults, kv, drain, crashers)
+    exit_problem = None
+    try:
+        with running_server(Path(args.model), work, kv_cache_cpu_mem_bytes=KV_CACHE_BYTES) as server:
+            [port] = free_ports(1)
+            frontend = serve.start(serve.frontend_command(server.grpc_url, "127.0.0.1", port))
+            frontend_url = f"http://127.0.0.1:{port}"
+            try:
+                serve.wait_http_ok(frontend, frontend_url + "/health/ready", 120, "the OpenAI frontend")
+                print("server and frontend ready; sending malformed requests", flush=True)
+                with ProcessMemory([server.pid, frontend.pid]) as memory:
+                    cases = _phase("malformed requests", run_cases, server)
+                    cancels = _phase("cancellations", run_cancels, server)
+                    faults = _phase("fault isolation", run_fault_isolation, server)
+                    kv = _phase("KV exhaustion", run_kv_exhaustion, server)
+                    attacks = _phase("attacks", run_attacks, server, frontend_url, Path(args.model))
+                    drain = _phase("drain", run_drain, server)
+                    # Last: they may take the server down. The drain unloaded the ensemble, so
+                    # they go to tensorrt_llm_bls and preprocessing, which stay loaded.
+                    crashers = None if args.skip_crashers else _phase("crashers", run_crashers, server)
+            finally:
+                serve.stop(frontend, 15)
+    except AssertionError as exc:  # the server's exit was not clean: a figure too
+        exit_problem = str(exc)
+    print_report(cases, cancels, faults, kv, attacks, drain, crashers, memory)
+    print(f"server exit: {exit_problem or 'clean'}")
     return 0
 
 

@@ -7,6 +7,8 @@ HTTP cases to `/generate` or `/generate_stream` as JSON, or as raw bytes.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +24,13 @@ class Case:
     expect: tuple[str, ...]
     model: str = "ensemble"
     http_path: str = "generate"
-    raw: bytes | None = None
+    raw: bytes | Callable[[], bytes] | None = None  # a callable builds a large body when sent
+
+    def body(self) -> bytes:
+        """The HTTP body: `raw` (built now if it is a callable), else `values` as JSON."""
+        if callable(self.raw):
+            return self.raw()
+        return self.raw if self.raw is not None else json.dumps(self.values).encode()
 
 
 BASE = {"text_input": "Hello", "max_tokens": 8}
@@ -133,6 +141,36 @@ def _http_only() -> list[Case]:
     ]
 
 
+def _huge_body(num_bytes: int) -> Callable[[], bytes]:
+    return lambda: b'{"text_input": "' + b"x" * num_bytes + b'", "max_tokens": 8}'
+
+
+def _size_cases() -> list[Case]:
+    """Issue 22: one request must not exhaust memory or hold everyone up. Each is refused before
+    the work it bounds, naming the limit (ensemble.limits)."""
+    schema = json.dumps({"type": "object", "description": "x" * (1 << 20)})
+    return [
+        Case("a 100 MB body to /generate", "http", {}, ("max_input_bytes",), raw=_huge_body(100 << 20)),
+        Case("a 10 MB prompt", "grpc", {**BASE, "text_input": "x" * (10 << 20)}, ("max_input_bytes",)),
+        Case("num_return_sequences=10^6", "grpc", {**BASE, "num_return_sequences": 10**6},
+             ("num_return_sequences", "max_batch_size")),
+        Case("num_return_sequences=2^31-1", "grpc", {**BASE, "num_return_sequences": 2**31 - 1},
+             ("num_return_sequences", "max_batch_size")),
+        Case("10,000 stop strings", "grpc", {**BASE, "stop_words": [f"w{i}" for i in range(10_000)]},
+             ("max_num_words",)),
+        Case("10,000 bad words", "grpc", {**BASE, "bad_words": [f"w{i}" for i in range(10_000)]},
+             ("max_num_words",)),
+        Case("a 1 MB guided-decoding schema", "grpc",
+             {**BASE, "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": schema},
+             ("max_guide_bytes",)),
+        Case("tensorrt_llm: 10,000 stop words", "grpc",
+             {"input_ids": np.ones((1, 1), dtype=np.int32), "input_lengths": np.ones((1, 1), dtype=np.int32),
+              "request_output_len": np.full((1, 1), 4, dtype=np.int32),
+              "stop_words_list": np.stack([np.stack([np.full(10_000, 5), np.arange(1, 10_001)])]).astype(np.int32)},
+             ("max_num_words",), "tensorrt_llm"),
+    ]
+
+
 def _cases() -> list[Case]:
     cases = []
     for name, extra, expect in _sampling_cases():
@@ -146,7 +184,7 @@ def _cases() -> list[Case]:
         for spelling in ("NaN", "Infinity", "-Infinity"):
             raw = ('{"text_input": "Hello", "max_tokens": 8, "%s": %s}' % (name, spelling)).encode()
             cases.append(Case(f"{name}={spelling} (raw JSON)", "http", {}, (name, "json"), raw=raw))
-    return cases + _grpc_only() + _http_only()
+    return cases + _grpc_only() + _http_only() + _size_cases()
 
 
 CASES = _cases()

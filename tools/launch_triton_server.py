@@ -15,7 +15,9 @@ HTTP and gRPC, unless `--admin_header NAME=VALUE` opens them to requests carryin
 Lifetime: the server dies with the launcher, even when the launcher is killed. SIGTERM or SIGINT
 (Ctrl-C) drains: readiness turns false and new requests are refused at once, requests in flight
 get `--exit_timeout` seconds to finish, the rest end with a clear error, then the server stops
-and the launcher exits 0. A second signal ends the drain at once.
+and the launcher exits 0. A second signal ends the drain at once. After the drain the ensembles
+get ENSEMBLE_UNLOAD_WAIT_S to finish unloading and tritonserver `--triton_exit_timeout_s` (10 s)
+to unload its models, which bounds Triton 2.51's unload stall without killing it.
 
 Recovery: once the server has been ready, the launcher restarts it when
 - it exits without being told to (a crash, a kill, any exit code), or
@@ -76,9 +78,15 @@ ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 # space of a header value. The random part is never stored anywhere.
 CLOSED_HEADER_NAME = "Admin-Api-Disabled"
 ADMIN_HEADER = re.compile(r"([a-z0-9][a-z0-9-]*)=([A-Za-z0-9._~+/-]{16,})")
-# Triton's own wait on SIGTERM (its default). The drain has ended every request already, but
-# unloading the python models takes several seconds on a busy CPU.
-TRITON_EXIT_TIMEOUT_S = 30
+# Triton's own wait on SIGTERM (--exit-timeout-secs; its default is 30). The drain has ended
+# every request before it, so this only bounds the unload of the models: 2.5-6 s when clean on
+# a loaded 2-core machine. A model that never unloads (after some drains Triton 2.51 keeps the
+# ensemble or tensorrt_llm: README "Known limits") costs all of it; Triton then exits by itself
+# (code 1).
+TRITON_EXIT_TIMEOUT_S = 10
+# After the drain: how long the ensembles get to finish unloading. Their last detokenizer steps
+# take milliseconds; an ensemble still unloading after this is stuck (the stall above).
+ENSEMBLE_UNLOAD_WAIT_S = 3
 # How long the drain may run past its grace period (the last responses, the final steps).
 DRAIN_SLACK_S = 30
 # Restarts: the longest wait between two; how long a broken but running server gets to stop
@@ -148,7 +156,7 @@ def server_command(args, backend_dir: Path | None) -> list[str]:
            # readiness says so, and the ensemble when a drain begins.
            "--model-control-mode=explicit", "--load-model=*",
            *admin_api_flags(args.admin_header),
-           f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}",
+           f"--exit-timeout-secs={args.triton_exit_timeout_s}",
            "--backend-config=python,shm-region-prefix-name=" + args.shm_prefix,
            f"--log-verbose={args.log_verbose}"]
     if backend_dir is not None:
@@ -236,22 +244,28 @@ def drain(launched: Launched, args, hurry: threading.Event) -> bool:
         client.close()
 
 
-def wait_ensembles_unloaded(args, timeout_s: float = 10) -> None:
+def wait_ensembles_unloaded(args, timeout_s: float = ENSEMBLE_UNLOAD_WAIT_S) -> bool:
     """After a drain the ensembles may still run their last detokenizer steps. Strict readiness
-    answers 400 while a model unloads and 200 once it is gone, so wait for 200: stopping Triton
-    earlier would strand those steps (its SIGTERM stops every scheduler)."""
+    answers 400 while a model unloads and 200 once it is gone, so wait for 200 (True): stopping
+    Triton earlier would strand those steps (its SIGTERM stops every scheduler). False if a
+    model is still unloading after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while health(args.host, args.http_port) == 400 and time.monotonic() < deadline:
+    while health(args.host, args.http_port) == 400:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
+    return True
 
 
 def shutdown(launched: Launched, args, signals: StopSignals) -> None:
     print(f"draining: new requests are refused; requests in flight get {args.exit_timeout:g} s",
           flush=True)
-    if drain(launched, args, signals.hurry):
-        wait_ensembles_unloaded(args)
+    if drain(launched, args, signals.hurry) and not wait_ensembles_unloaded(args):
+        print(f"the ensemble is still unloading with nothing in flight {ENSEMBLE_UNLOAD_WAIT_S} s after the "
+              f"drain (a Triton 2.51 stall, README \"Known limits\"): tritonserver gets its "
+              f"{args.triton_exit_timeout_s} s exit timeout", flush=True)
     print("stopping tritonserver", flush=True)
-    stop(launched.process)
+    stop(launched.process, args.triton_exit_timeout_s + 20)
     print(f"tritonserver stopped (exit code {launched.process.returncode})", flush=True)
 
 
@@ -322,6 +336,9 @@ def parse_args(argv=None):
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     parser.add_argument("--exit_timeout", type=float, default=30,
                         help="seconds requests in flight get to finish on SIGTERM/SIGINT (default 30)")
+    parser.add_argument("--triton_exit_timeout_s", type=int, default=TRITON_EXIT_TIMEOUT_S,
+                        help="tritonserver's own wait for its models to unload once stopped, after "
+                             f"the drain (--exit-timeout-secs; default {TRITON_EXIT_TIMEOUT_S})")
     parser.add_argument("--admin_header", metavar="NAME=VALUE",
                         help="open the model-repository, shared-memory, trace and logging APIs to "
                              "requests with this header (gRPC: triton-grpc-protocol-NAME); VALUE: "
@@ -349,8 +366,8 @@ def parse_args(argv=None):
     if args.admin_header and not ADMIN_HEADER.fullmatch(args.admin_header):
         parser.error("--admin_header must be NAME=VALUE: NAME lowercase letters, digits and '-'; "
                      "VALUE 16 or more of A-Z a-z 0-9 . _ ~ + / -")
-    if args.exit_timeout < 0:
-        parser.error("--exit_timeout must be >= 0")
+    if args.exit_timeout < 0 or args.triton_exit_timeout_s < 0:
+        parser.error("--exit_timeout and --triton_exit_timeout_s must be >= 0")
     if args.max_restarts < 0 or args.restart_window_s <= 0 or not 0 <= args.restart_backoff_s <= MAX_RESTART_DELAY_S:
         parser.error(f"need --max_restarts >= 0, --restart_window_s > 0 and --restart_backoff_s in "
                      f"[0, {MAX_RESTART_DELAY_S:g}]")

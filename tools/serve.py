@@ -31,8 +31,8 @@ sys.path.insert(0, str(TOOLS))
 import launch_triton_server  # noqa: E402
 from inflight.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch  # noqa: E402
 
-# Beyond the drain: Triton's own stop, the drain request, slack.
-STOP_SLACK_S = launch_triton_server.TRITON_EXIT_TIMEOUT_S + launch_triton_server.DRAIN_SLACK_S
+# Beyond the drain and Triton's own stop (--triton_exit_timeout_s): the drain request, slack.
+STOP_SLACK_S = launch_triton_server.DRAIN_SLACK_S
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         # too (and stops listening), and the streams in flight through either go on.
         children = [c for c in (frontend, launcher) if c is not None]
         signal_all(*children)
-        stop_all(children, triton.exit_timeout + STOP_SLACK_S, signals.hurry, _name)
+        stop_all(children, triton.exit_timeout + triton.triton_exit_timeout_s + STOP_SLACK_S, signals.hurry,
+                 _name)
 
 
 if __name__ == "__main__":

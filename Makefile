@@ -109,7 +109,7 @@ bench-openai: model
 	$(PY) tools/bench_openai.py --model $(MODEL)
 
 # Malformed requests next to good streams, cancellations, fault isolation, drain, and last the
-# Triton-level crashers of issue 13 (RELIABILITY_ARGS=--skip-crashers leaves them out).
+# crash-and-restart phase under the real launcher (RELIABILITY_ARGS=--skip-crashers leaves it out).
 RELIABILITY_ARGS ?=
 reliability: model
 	$(PY) tools/reliability.py --model $(MODEL) $(RELIABILITY_ARGS)

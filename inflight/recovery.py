@@ -105,6 +105,37 @@ def group_is_alive(pgid: int, proc_dir: Path = Path("/proc")) -> bool:
     return False
 
 
+def _stat_fields(pid: int, proc_dir: Path = Path("/proc")) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command (state, ppid, pgrp, ...), or None."""
+    try:
+        return (proc_dir / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def is_running(pid: int, proc_dir: Path = Path("/proc")) -> bool:
+    """The process exists and is not a zombie (a dead child its parent has not reaped yet)."""
+    fields = _stat_fields(pid, proc_dir)
+    return fields is not None and fields[0] != "Z"
+
+
+def python_stubs(server_pid: int, proc_dir: Path = Path("/proc")) -> dict[int, str]:
+    """The python backend stubs a tritonserver runs: pid -> the name of the model it serves
+    (read from the stub's `.../<model>/<version>/model.py` argument)."""
+    stubs = {}
+    for proc in proc_dir.iterdir():
+        fields = _stat_fields(int(proc.name), proc_dir) if proc.name.isdigit() else None
+        if fields is None or int(fields[1]) != server_pid or fields[0] == "Z":
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith("triton_python_backend_stub"):
+            stubs[int(proc.name)] = next((Path(a).parent.parent.name for a in argv if a.endswith("model.py")), "?")
+    return stubs
+
+
 def _in_use(paths: set[str], proc_dir: Path = Path("/proc")) -> set[str]:
     """Those of `paths` that some process we may inspect has open or mapped. A process's fds are
     read before its maps: a region is mapped before its creator closes the fd, so a file never

@@ -21,6 +21,9 @@ to unload its models, which bounds Triton 2.51's unload stall without killing it
 
 Recovery: once the server has been ready, the launcher restarts it when
 - it exits without being told to (a crash, a kill, any exit code), or
+- a python stub it ran stops (killed, out of memory, or its model unloaded itself): Triton 2.51
+  does not restart a stub, and `/v2/health/ready` still answers 200 while that model fails
+  every request; or
 - a model that was ready answers "not ready" for more than `--unready_restart_s` seconds in a
   row (default 5) while no drain is under way: a dead engine unloads its model (and the
   ensemble), and Triton would stay up but unready for ever. Only the launcher's own drain

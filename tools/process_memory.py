@@ -112,12 +112,14 @@ class ProcessMemory:
     def max_growth_bytes(self) -> int:
         return max((u.growth_bytes for u in self.usage.values()), default=0)
 
-    def report(self, min_peak_bytes: int = 16 * MIB) -> list[str]:
-        """A line per process that reached `min_peak_bytes`, largest growth first, then how many
-        smaller ones there were (helpers such as `sh` and `sleep`)."""
+    def report(self, min_peak_bytes: int = 16 * MIB, peaks_only: bool = False) -> list[str]:
+        """A line per process that reached `min_peak_bytes`, largest growth (or peak) first,
+        then how many smaller ones there were (helpers such as `sh` and `sleep`). `peaks_only`
+        for processes that started while sampling ran, whose first sample is no idle size."""
         large = sorted(((pid, u) for pid, u in self.usage.items() if u.peak_bytes >= min_peak_bytes),
-                       key=lambda item: -item[1].growth_bytes)
-        lines = [f"{u.name} (pid {pid}): idle {u.idle_bytes / MIB:.0f} MiB, peak {u.peak_bytes / MIB:.0f} MiB, "
+                       key=lambda item: -(item[1].peak_bytes if peaks_only else item[1].growth_bytes))
+        lines = [f"{u.name} (pid {pid}): peak {u.peak_bytes / MIB:.0f} MiB" if peaks_only else
+                 f"{u.name} (pid {pid}): idle {u.idle_bytes / MIB:.0f} MiB, peak {u.peak_bytes / MIB:.0f} MiB, "
                  f"growth {u.growth_bytes / MIB:+.0f} MiB" for pid, u in large]
         num_small = len(self.usage) - len(large)
         return lines + ([f"{num_small} processes below {min_peak_bytes // MIB} MiB"] if num_small else [])

@@ -19,8 +19,10 @@ Starts its own tritonserver (the default model behind the ensemble) and prints:
    schema, a forged system turn), and the ensemble a template injection
    (tools/reliability_attacks.py);
 5. drain: the launcher's drain with streams in flight, and how long it took;
-6. last, unless --skip-crashers: the Triton-level crashers of issue 13 (deeply nested JSON, a
-   huge claimed shape); whether the server survived them.
+6. last, unless --skip-crashers: crash and restart under the real launcher: Triton 2.51's own
+   crashers (deeply nested JSON, a huge claimed shape) and a killed python stub, each followed
+   by the time until the service answers a good request exactly as before
+   (tools/reliability_restarts.py).
 Throughout, the resident memory of every server process (tritonserver, its python stubs, the
 engine process, the frontend) is sampled: the report gives each one's idle size, peak and growth.
 """
@@ -28,7 +30,6 @@ engine process, the frontend) is sampled: the report gives each one's idle size,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -46,6 +47,7 @@ import serve  # noqa: E402
 from process_memory import ProcessMemory  # noqa: E402
 from reliability_attacks import ensemble_injection, frontend_attacks  # noqa: E402
 from reliability_cases import CASES, Case  # noqa: E402
+from reliability_restarts import run_restarts, start_launcher  # noqa: E402
 from tests.e2e.server import collect, free_ports, launch_triton_server, running_server  # noqa: E402
 
 GOOD = {"text_input": "Write a short poem about the sea.", "max_tokens": 48, "stream": True,
@@ -135,17 +137,23 @@ def beside_good_streams(server, function, *args):
 
 
 def run_cases(server) -> dict:
+    seconds: dict[str, float] = {}
+
     def send_all():
         outcomes = []
         for case in CASES:
+            start = time.monotonic()
             outcome, message = send_case(server, case)
             outcomes.append((case, outcome, message))
+            seconds[case.name] = time.monotonic() - start
             if outcome == "crash":
                 break
         return outcomes
 
     outcomes, stream_report = beside_good_streams(server, send_all)
-    return {"outcomes": outcomes, "streams": stream_report}
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
+    return {"outcomes": outcomes, "streams": stream_report,
+            "slowest": [f"{name} {s:.2f} s" for name, s in slowest]}
 
 
 def run_cancels(server, num_streams: int = 16) -> dict:
@@ -206,32 +214,6 @@ def run_kv_exhaustion(server, num_prompts: int = 8, prompt_words: int = 300) -> 
             "never_fits_s": round(refused_s, 2)}
 
 
-def run_crashers(server) -> list[tuple[str, str]]:
-    """Issue 13's Triton-level crashers, last: each may take the server down."""
-    deep = b"{\"text_input\": " + b"[" * 50000 + b"]" * 50000 + b", \"max_tokens\": 4}"
-    huge = json.dumps({"inputs": [
-        {"name": "QUERY", "shape": [1, 1099511627776], "datatype": "BYTES", "data": ["x"]},
-        {"name": "REQUEST_OUTPUT_LEN", "shape": [1, 1], "datatype": "INT32", "data": [4]}]}).encode()
-    results = []
-    for name, path, body in (("nested JSON, 50,000 levels", "/v2/models/tensorrt_llm_bls/generate", deep),
-                             ("shape [1, 2^40]", "/v2/models/preprocessing/infer", huge)):
-        request = urllib.request.Request(server.http_url + path, data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                answer = f"HTTP {reply.status}"
-        except urllib.error.HTTPError as exc:
-            answer = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:100]}"
-        except Exception as exc:
-            answer = f"{type(exc).__name__}: {exc}"
-        time.sleep(2)
-        alive = launch_triton_server.health("127.0.0.1", server.http_port) is not None
-        results.append((name, f"{'server lives' if alive else 'SERVER DIED'} ({answer})"))
-        if not alive:
-            break
-    return results
-
-
 def run_attacks(server, frontend_url: str, model_dir: Path) -> list[tuple[str, str]]:
     from preprocessing.loader import load_tokenizer
 
@@ -245,8 +227,8 @@ def run_attacks(server, frontend_url: str, model_dir: Path) -> list[tuple[str, s
     return outcomes + [("good streams meanwhile", "; ".join(stream_report))]
 
 
-def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, attacks, drain: dict, crashers,
-                 memory: ProcessMemory) -> None:
+def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, attacks, drain: dict, restarts,
+                 memory: ProcessMemory, restart_memory: ProcessMemory | None) -> None:
     if "outcomes" in cases:
         outcomes = cases["outcomes"]
         counts = Counter(o for _, o, _ in outcomes)
@@ -257,6 +239,7 @@ def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, attacks, dr
         for case, outcome, message in outcomes:
             if outcome != "clear":
                 print(f"  {outcome:8} {case.protocol:4} {case.name}: {message[:150]}")
+        print("slowest answers: " + "; ".join(cases["slowest"]))
         print("good streams meanwhile: " + "; ".join(cases["streams"]))
     else:
         print(f"\nmalformed requests: {cases}")
@@ -266,13 +249,17 @@ def print_report(cases: dict, cancels: dict, faults: dict, kv: dict, attacks, dr
     for name, outcome in attacks if isinstance(attacks, list) else [("attacks", attacks)]:
         print(f"attack {name}: {outcome}")
     print(f"drain: {drain}")
-    for name, result in crashers if isinstance(crashers, list) else []:
-        print(f"crasher {name}: {result}")
-    if crashers is not None and not isinstance(crashers, list):
-        print(f"crashers: {crashers}")
-    print(f"memory (largest growth over idle {memory.max_growth_bytes() / (1 << 20):.0f} MiB):")
+    for name, result in restarts if isinstance(restarts, list) else []:
+        print(f"crash and restart, {name}: {result}")
+    if restarts is not None and not isinstance(restarts, list):
+        print(f"crash and restart: {restarts}")
+    print(f"memory while attacked (largest growth over idle {memory.max_growth_bytes() / (1 << 20):.0f} MiB):")
     for line in memory.report():
         print(f"  {line}")
+    if restart_memory is not None:  # servers started during the phase: no idle size to compare
+        print("memory through the crashes and restarts, peaks:")
+        for line in restart_memory.report(peaks_only=True):
+            print(f"  {line}")
 
 
 def _phase(name: str, function, *args):
@@ -310,14 +297,16 @@ def main(argv=None) -> int:
                     kv = _phase("KV exhaustion", run_kv_exhaustion, server)
                     attacks = _phase("attacks", run_attacks, server, frontend_url, Path(args.model))
                     drain = _phase("drain", run_drain, server)
-                    # Last: they may take the server down. The drain unloaded the ensemble, so
-                    # they go to tensorrt_llm_bls and preprocessing, which stay loaded.
-                    crashers = None if args.skip_crashers else _phase("crashers", run_crashers, server)
             finally:
                 serve.stop(frontend, 15)
     except AssertionError as exc:  # the server's exit was not clean: a figure too
         exit_problem = str(exc)
-    print_report(cases, cancels, faults, kv, attacks, drain, crashers, memory)
+    restarts = restart_memory = None
+    if not args.skip_crashers:  # last: under the real launcher, which must bring Triton back
+        launcher, restarted = start_launcher(work / "repo", work)
+        with ProcessMemory([launcher.pid]) as restart_memory:
+            restarts = _phase("crash and restart", run_restarts, launcher, restarted, GOOD, work)
+    print_report(cases, cancels, faults, kv, attacks, drain, restarts, memory, restart_memory)
     print(f"server exit: {exit_problem or 'clean'}")
     return 0
 

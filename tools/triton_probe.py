@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from inflight.recovery import describe_exit
+from inflight.recovery import describe_exit, is_running, python_stubs
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -71,16 +71,26 @@ def repository_models(model_repo: str | Path) -> list[str]:
 def watch_ready_server(process: subprocess.Popen, host: str, http_port: int, model_repo: str | Path,
                        unready_limit_s: float, stop: threading.Event, period_s: float = 1.0) -> str | None:
     """Watch a ready server until `stop` is set (None) or there is a reason to restart it, which
-    is returned: its process exited, or a model of `model_repo` that was ready when the watch
-    began answered "not ready" for more than `unready_limit_s` seconds in a row (0: never
-    restart for that). A dead engine makes its model unload itself, and only a drain unloads a
-    model otherwise, which the launcher starts after this watch has ended. Only an answer
-    counts: a server too busy to answer within PROBE_TIMEOUT_S is not taken for a broken one."""
+    is returned:
+    - its process exited;
+    - a python stub it ran when the watch began died (killed, out of memory): Triton 2.51 does
+      not restart it, and its model would fail every request while `/v2/health/ready` and the
+      model's own readiness still answer 200;
+    - or a model of `model_repo` that was ready when the watch began answered "not ready" for
+      more than `unready_limit_s` seconds in a row (0: never restart for that). A dead engine
+      makes its model unload itself, and only a drain unloads a model otherwise, which the
+      launcher starts after this watch has ended. Only an answer counts: a server too busy to
+      answer within PROBE_TIMEOUT_S is not taken for a broken one.
+    """
     watched = [m for m in repository_models(model_repo) if model_ready(host, http_port, m) == 200]
+    stubs = python_stubs(process.pid)
     unready_since_s = None
     while not stop.wait(period_s):
         if process.poll() is not None:
             return f"tritonserver died ({describe_exit(process.returncode)})"
+        stopped = sorted({model for pid, model in stubs.items() if not is_running(pid)})
+        if stopped:
+            return f"the python stub of {', '.join(stopped)} stopped"
         if unready_limit_s <= 0:
             continue
         unready = [m for m in watched if model_ready(host, http_port, m) not in (200, None)]

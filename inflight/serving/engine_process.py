@@ -27,6 +27,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -194,6 +195,8 @@ class EngineLoop:
 def main(argv: list[str]) -> int:
     run_dir = Path(argv[1])
     spec = json.loads((run_dir / "engine.json").read_text())
+    # The folder only hands the spec over: gone now, it cannot outlive a crash of either process.
+    shutil.rmtree(run_dir, ignore_errors=True)
     die_with_parent(spec["parent_pid"])
     logging.basicConfig(level=logging.WARNING, format="[inflight engine] %(levelname)s %(message)s")
     channel = Channel.from_fd(spec["channel_fd"])

@@ -2,11 +2,13 @@
 unready, within a budget, and `tools/serve.py` keeps the OpenAI frontend in front of it.
 
 Most cases run the launcher on tests/e2e/fake_tritonserver.py, which starts in a fraction of a
-second; one runs the real server under tools/serve.py and SIGKILLs it.
+second; one runs the real server under tools/serve.py, crashes it with Triton's own crasher, then kills
+one of its python stubs.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -19,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import REPO_ROOT, Server, free_ports, launch_triton_server
+from inflight.recovery import python_stubs
+from tests.e2e.server import REPO_ROOT, Server, free_ports
 from tests.e2e.test_shutdown import _cmdline, _eventually, _group, repository  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -160,10 +163,12 @@ def _status(url: str) -> int | None:
         return None
 
 
-def test_sigkill_of_tritonserver_under_serve_comes_back_and_answers_the_same(repository, tmp_path):
-    """SIGKILL tritonserver under `tools/serve.py`: Triton's and the frontend's readiness fall,
-    the launcher says it restarts it, both are ready again within 30 s, and the same greedy
-    requests give the same text as before, through the frontend and through Triton."""
+def test_a_crashed_tritonserver_under_serve_comes_back_and_answers_the_same(repository, tmp_path):
+    """Triton 2.51's own crasher (a JSON body nested 50,000 deep to /generate segfaults it), then
+    a killed python stub (Triton keeps answering ready while that model fails every request),
+    under `tools/serve.py`: readiness falls, the frontend answers 503, the launcher says why it
+    restarts, both are ready again within 30 s, and the same greedy requests give the same text
+    as before, through the frontend and through Triton."""
     http_port, grpc_port, metrics_port, openai_port = free_ports(4)
     server = Server(http_port, grpc_port, metrics_port, tmp_path / "server.log", pid=0)
     openai_url = f"http://127.0.0.1:{openai_port}"
@@ -180,6 +185,13 @@ def test_sigkill_of_tritonserver_under_serve_comes_back_and_answers_the_same(rep
         assert direct.error is None, direct.error
         return reply.json()["choices"][0]["text"], direct.text
 
+    def comes_back(crashed_at: float, reason: str) -> None:
+        serve.wait_for("tritonserver ready again", timeout_s=60)
+        assert time.monotonic() - crashed_at < 30, "Triton took more than 30 s to come back"
+        assert re.search(reason + r"; restarting tritonserver in \d s \(restart \d of", serve.output), serve.output
+        assert _eventually(lambda: _status(f"{openai_url}/health/ready") == 200, timeout_s=10)
+        assert answers() == before
+
     try:
         serve.wait_for("OpenAI API:", timeout_s=300)
         before = answers()
@@ -187,22 +199,21 @@ def test_sigkill_of_tritonserver_under_serve_comes_back_and_answers_the_same(rep
         regions = set(Path("/dev/shm").glob(f"inflighttest{http_port}_*"))
         assert pid and regions
         serve.lines.clear()
-        import os
-
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert launch_triton_server.health("127.0.0.1", http_port) != 200
+        deep = b'{"text_input": ' + b"[" * 50000 + b"]" * 50000 + b', "max_tokens": 4}'
+        crashed_at = time.monotonic()
+        with pytest.raises(httpx.HTTPError):  # the connection dies with the server
+            httpx.post(f"http://127.0.0.1:{http_port}/v2/models/ensemble/generate", content=deep, timeout=30)
         assert _eventually(lambda: _status(f"{openai_url}/health/ready") == 503, timeout_s=10)
         down = httpx.post(f"{openai_url}/v1/completions", timeout=30,
                           json={"model": "ensemble", "prompt": "Hi", "max_tokens": 2})
         assert down.status_code == 503, down.text
-
-        serve.wait_for("tritonserver ready again", timeout_s=60)
-        assert time.monotonic() - killed_at < 30, "Triton took more than 30 s to come back"
-        assert "tritonserver died (signal SIGKILL); restarting tritonserver in 1 s (restart 1 of" in serve.output
-        assert _eventually(lambda: _status(f"{openai_url}/health/ready") == 200, timeout_s=10)
-        assert answers() == before
+        comes_back(crashed_at, r"tritonserver died \(signal SIG\w+\)")
         assert not _group(pid) and not regions & set(Path("/dev/shm").glob(f"inflighttest{http_port}_*"))
+
+        serve.lines.clear()
+        [stub] = [p for p, model in python_stubs(_tritonserver_pid(http_port)).items() if model == "preprocessing"]
+        os.kill(stub, signal.SIGKILL)
+        comes_back(time.monotonic(), "the python stub of preprocessing stopped")
 
         serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(timeout=90) == 0, serve.output

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from inflight.recovery import RestartPolicy, describe_exit, group_is_alive, remove_own_shm, remove_stale_shm
+from inflight.recovery import (RestartPolicy, describe_exit, group_is_alive, is_running, python_stubs,
+                               remove_own_shm, remove_stale_shm)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
 
@@ -92,3 +93,23 @@ def test_a_process_group_is_alive_until_its_last_member_exits():
         child.kill()
         child.wait()
     assert not group_is_alive(child.pid)
+
+
+def _fake_process(proc: Path, pid: int, ppid: int, argv: list[str], state: str = "S") -> None:
+    (proc / str(pid)).mkdir()
+    (proc / str(pid) / "stat").write_text(f"{pid} (a (b)) {state} {ppid} {pid} 0 0\n")
+    (proc / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+
+
+def test_the_stubs_of_a_server_are_found_by_model_and_a_zombie_is_not_running(tmp_path):
+    """The launcher restarts a server whose python stub stopped: Triton 2.51 keeps answering
+    ready while that model fails every request."""
+    stub = "/tmp/x/backends/python/triton_python_backend_stub"
+    _fake_process(tmp_path, 10, 1, ["tritonserver", "--model-repository=/r"])
+    _fake_process(tmp_path, 11, 10, [stub, "/r/preprocessing/1/model.py", "prefix", "1048576"])
+    _fake_process(tmp_path, 12, 10, [stub, "/r/tensorrt_llm/1/model.py", "prefix", "1048576"])
+    _fake_process(tmp_path, 13, 10, [stub, "/r/postprocessing/1/model.py"], state="Z")  # dead, unreaped
+    _fake_process(tmp_path, 14, 11, ["python", "-m", "inflight.serving.engine_process"])  # a grandchild
+    _fake_process(tmp_path, 15, 99, [stub, "/other/preprocessing/1/model.py"])  # another server's
+    assert python_stubs(10, tmp_path) == {11: "preprocessing", 12: "tensorrt_llm"}
+    assert is_running(11, tmp_path) and not is_running(13, tmp_path) and not is_running(16, tmp_path)

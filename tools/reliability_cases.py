@@ -56,7 +56,7 @@ def _sampling_cases() -> list[tuple[str, dict, tuple[str, ...]]]:
         ("max_tokens=-3", {"max_tokens": -3}, ("max_tokens",)),
         ("max_tokens=2^31-1", {"max_tokens": 2**31 - 1}, ("max_tokens",)),
         ("beam_width=-1", {"beam_width": -1}, ("beam_width",)),
-        ("beam_width=3", {"beam_width": 3}, ("beam_width",)),
+        ("beam_width=5", {"beam_width": 5}, ("beam_width",)),  # max_beam_width is 4
         ("num_return_sequences=-2", {"num_return_sequences": -2}, ("num_return_sequences",)),
         ("end_id=-7", {"end_id": -7}, ("end_id",)),
         ("end_id=10^9", {"end_id": 10**9}, ("end_id",)),

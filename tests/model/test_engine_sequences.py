@@ -62,11 +62,14 @@ def test_sequences_draw_as_separately_seeded_requests(singles, streaming):
 
 
 def test_sequences_survive_preemption(singles):
-    """A cache too small for three sequences at once: they preempt each other and recompute
-    (sharing whatever prompt blocks the first still holds) and still draw the same tokens."""
+    """A cache too small for a request's two sequences and another request at once: they
+    preempt each other and recompute (sharing whatever prompt blocks the first still holds) and
+    still draw the same tokens. (One request's own sequences must fit in the cache together,
+    `Scheduler.check_group_fits`: these two take its 10 blocks exactly.)"""
     engine = make_engine(max_tokens=40, scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.MAX_UTILIZATION))
-    [responses] = run(engine, [request(n=3)])
-    assert by_sequence(responses) == dict(enumerate(singles))
+    group, single = run(engine, [request(n=2), request(seed=SAMPLED["seed"] + 2)])
+    assert by_sequence(group) == {0: singles[0], 1: singles[1]}
+    assert final(single).result.output_token_ids[0] == singles[2]
     assert engine.scheduler.num_preemptions > 0
 
 

@@ -9,6 +9,8 @@ tokens). Unlike NVIDIA's check, a match is found wherever it falls across stream
 
 from __future__ import annotations
 
+from ensemble.stop_strings import occurrences
+
 
 class StopStrings:
     """Watches the generated text of one sequence.
@@ -27,9 +29,9 @@ class StopStrings:
         self._keep = max((len(s) for s in self.stop_strings), default=1) - 1
 
     def _first_end(self, text: str, start: int = 0) -> int | None:
-        """End index of the earliest-ending stop string in `text[start:]`, if any."""
-        ends = [i + len(s) for s in self.stop_strings if (i := text.find(s, start)) >= 0]
-        return min(ends) if ends else None
+        """End index of the earliest-ending stop string in `text[start:]`, if any (the text
+        ends after it)."""
+        return min((end for _, end in occurrences(text, self.stop_strings, start)), default=None)
 
     def feed(self, delta: str) -> str:
         if self.stopped:

@@ -14,3 +14,10 @@ class InputError(ValueError):
 
 class ConfigError(ValueError):
     """A configuration value breaks a documented rule."""
+
+
+def check(ok: bool, message: str, error: type[ValueError] = ConfigError) -> None:
+    """Raise `error(message)` unless `ok`: the one-line rules that config and request types
+    check at construction."""
+    if not ok:
+        raise error(message)

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from inflight.intmath import cdiv
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +83,7 @@ def pack_to_device(fields: Sequence[tuple[Sequence | torch.Tensor, torch.dtype]]
     offsets, total = [], 0
     for t in host:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
+        total += cdiv(t.numel() * t.element_size(), _ALIGN_BYTES) * _ALIGN_BYTES
     staging = torch.empty(max(total, _ALIGN_BYTES), dtype=torch.uint8, pin_memory=True)
     for t, start in zip(host, offsets):
         staging[start:start + t.numel() * t.element_size()].view(t.dtype).copy_(t)

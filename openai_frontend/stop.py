@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ensemble.stop_strings import occurrences, partial_tail
+
 
 class StopMatcher:
     """Finds the earliest occurrence of any stop string in text that arrives in pieces.
@@ -44,14 +46,10 @@ class StopMatcher:
         return self.safe_end
 
     def _first_match(self, start: int) -> int | None:
-        positions = [p for p in (self.text.find(s, start) for s in self.stops) if p >= 0]
-        return min(positions, default=None)
+        """Where the earliest-starting stop string begins (the text ends before it)."""
+        return min((begin for begin, _ in occurrences(self.text, self.stops, start)), default=None)
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that a stop string starts with."""
+        """Length of the longest unreleased tail of the text that a stop string starts with."""
         longest = max(len(s) for s in self.stops) - 1
-        for size in range(min(longest, len(self.text) - self.safe_end), 0, -1):
-            tail = self.text[-size:]
-            if any(s.startswith(tail) for s in self.stops):
-                return size
-        return 0
+        return partial_tail(self.text, self.stops, min(longest, len(self.text) - self.safe_end))

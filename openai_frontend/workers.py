@@ -7,7 +7,7 @@ directly. So the parent binds the address once and starts N workers, each a fres
 own gRPC channel and tokenizer (nothing is forked from a process that has threads or channels).
 The kernel hands each new connection to one worker's accept.
 
-Supervision (inflight.supervisor): each worker runs in its own session (a terminal's Ctrl-C
+Supervision (ensemble.supervisor): each worker runs in its own session (a terminal's Ctrl-C
 reaches only the parent) and is SIGKILLed by the kernel if the parent dies. SIGTERM or SIGINT to
 the parent goes to every worker, which drains as a single frontend does (readiness 503, answers
 in flight get `--drain-timeout-s`); a second signal goes on too. A worker that exits on its
@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 
-from inflight.supervisor import StopSignals, die_with_parent, signal_all, stop_all, watch
+from ensemble.supervisor import StopSignals, die_with_parent, signal_all, stop_all, watch
 
 logger = logging.getLogger("openai_frontend")
 CLEAN_EXITS = (0, -signal.SIGTERM, -signal.SIGINT)  # uvicorn re-raises the signal it handled

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu_cli import log, open_device, start_random_engine, write_results  # noqa: E402
 from bench_gpu_runs import free_memory, profile_decode, random_prompts, sync  # noqa: E402
-from inflight.executor.types import OutputConfig, Request, SamplingConfig  # noqa: E402
+
+from inflight.api.types import OutputConfig, Request, SamplingConfig  # noqa: E402
 from inflight.kernels import jit_stats  # noqa: E402
 
 

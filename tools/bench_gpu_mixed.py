@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu_cli import log, open_device, start_random_engine, write_results  # noqa: E402
-from bench_gpu_runs import (cancel_all, free_memory, profile_steps, random_prompts,  # noqa: E402
-                            run_engine, sync)
-from inflight.executor.types import OutputConfig, Request  # noqa: E402
+from bench_gpu_runs import cancel_all, free_memory, profile_steps, random_prompts, run_engine, sync  # noqa: E402
+
+from inflight.api.types import OutputConfig, Request  # noqa: E402
 
 GENERATED_ONLY = OutputConfig(exclude_input_from_output=True)
 

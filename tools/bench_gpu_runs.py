@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig, KvCacheConfig
-from inflight.executor.types import OutputConfig, Request
+from inflight.api.config import ExecutorConfig, KvCacheConfig
+from inflight.api.types import OutputConfig, Request
+from inflight.engine.llm_engine import LLMEngine
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
-from inflight.executor.types import Request  # noqa: E402
+from inflight.api.config import ExecutorConfig, KvCacheConfig  # noqa: E402
+from inflight.api.types import Request  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2-135m-instruct"
 

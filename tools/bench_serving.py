@@ -53,7 +53,7 @@ def engine_parameters(repo: Path) -> dict[str, str]:
 
 
 def in_process_engine(params: dict[str, str]):
-    from inflight.engine import LLMEngine
+    from inflight.engine.llm_engine import LLMEngine
     from inflight.serving.params import executor_config
 
     config = executor_config(params)
@@ -221,6 +221,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fill_template import split_pairs
+
     from tests.e2e.server import running_server
 
     model = Path(args.model).resolve()

@@ -39,10 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import (ExecutorConfig, ExtendedRuntimePerfKnobConfig,  # noqa: E402
-                                      KvCacheConfig)
-from inflight.executor.types import OutputConfig, Request  # noqa: E402
+from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig  # noqa: E402
+from inflight.api.types import OutputConfig, Request  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.model.checkpoints import tiny_hf_model  # noqa: E402
 
 U = 2.0 ** -24

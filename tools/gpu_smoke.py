@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
-from inflight.executor.types import OutputConfig, Request, SamplingConfig  # noqa: E402
+from inflight.api.config import ExecutorConfig, KvCacheConfig  # noqa: E402
+from inflight.api.types import OutputConfig, Request, SamplingConfig  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 from inflight.model.attention import StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 

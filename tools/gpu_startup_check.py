@@ -23,9 +23,9 @@ import torch
 # The GPU machine runs the tools from a plain checkout (no editable install).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
-from inflight.executor.types import Request  # noqa: E402
+from inflight.api.config import ExecutorConfig, KvCacheConfig  # noqa: E402
+from inflight.api.types import Request  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 
 GIB = 2 ** 30
 

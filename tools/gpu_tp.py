@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu_runs import SHAPES, random_prompts, run_engine  # noqa: E402
+
 from ensemble.errors import ConfigError  # noqa: E402
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import (ExecutorConfig, ExtendedRuntimePerfKnobConfig,  # noqa: E402
-                                      KvCacheConfig, ParallelConfig)
+from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig, ParallelConfig  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 
 CHECK_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=64, vocab_size=32001, tie_word_embeddings=False,

@@ -29,16 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.executor.config import ExecutorConfig, KvCacheConfig  # noqa: E402
-from inflight.executor.types import OutputConfig, Request  # noqa: E402
-from inflight.cuda_graph import CudaGraphRunner  # noqa: E402
+from inflight.api.config import ExecutorConfig, KvCacheConfig  # noqa: E402
+from inflight.api.types import OutputConfig, Request  # noqa: E402
 from inflight.distributed.group import TensorParallel  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 from inflight.model.attention import AttentionLimits  # noqa: E402
 from inflight.model.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from inflight.model.config import ModelConfig  # noqa: E402
+from inflight.runner.cuda_graph import CudaGraphRunner  # noqa: E402
+from inflight.runner.worker import Worker  # noqa: E402
 from inflight.sampling.sampler import Sampler  # noqa: E402
-from inflight.worker import Worker  # noqa: E402
 
 # Llama-3.2-1B's attention shape (what sizes the block tables and split-K), a small vocabulary
 # (the null model's logits are host memory here: argmax over 128k columns would time the CPU).

@@ -66,12 +66,12 @@ import tritonclient.grpc as grpcclient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight import recovery  # noqa: E402
-from inflight.supervisor import StopSignals, die_with_parent, terminate  # noqa: E402
 # Re-exported: tools and tests call these through this module.
 from triton_probe import ServerError, health, local_host, wait_ready, watch_ready_server  # noqa: E402,F401
 
 from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
+from ensemble.supervisor import StopSignals, die_with_parent, terminate  # noqa: E402
+from inflight import recovery  # noqa: E402
 
 # API categories only an operator may use. Clients keep health, metadata, inference,
 # model-config (perf_analyzer and genai-perf read it) and statistics.
@@ -181,7 +181,7 @@ class Launched:
 
 def launch(args, extra_env: dict[str, str] | None = None) -> Launched:
     """Start the server in its own session, tied to the calling thread's life (see
-    `inflight.supervisor.die_with_parent`); stop it with `stop`."""
+    `ensemble.supervisor.die_with_parent`); stop it with `stop`."""
     work_dir = Path(tempfile.mkdtemp(prefix="triton-launch-"))
     backend_dir = None if args.tritonserver else python_backend_dir(work_dir)
     cmd = server_command(args, backend_dir)

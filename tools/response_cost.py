@@ -80,7 +80,7 @@ def server_processes(session_id: int) -> dict[str, int]:
         text = b" ".join(argv).decode(errors="replace")
         if "bin/tritonserver" in text:
             found["tritonserver"] = int(proc.name)
-        elif "inflight.serving.engine_process" in text:
+        elif "inflight.hosts.engine_process" in text:
             found["engine"] = int(proc.name)
         elif "triton_python_backend_stub" in text:
             for model in ("preprocessing", "tensorrt_llm", "postprocessing"):
@@ -236,6 +236,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import perf_analyzer_env
+
     from tests.e2e.server import running_server
 
     binary = args.perf_analyzer or str(perf_analyzer_env.ensure())

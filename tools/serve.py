@@ -11,7 +11,7 @@ an error; a second signal is passed on, and both end their requests at once.
 The launcher restarts a tritonserver that crashes (see its docstring): meanwhile the frontend
 answers 503 and this tool keeps running. Every wait here, the start-up included, watches both
 children: if either exits (the launcher when it gives up restarting), the other is stopped and
-this tool exits 1 at once. Children are supervised as `inflight/supervisor.py` describes: each
+this tool exits 1 at once. Children are supervised as `ensemble/supervisor.py` describes: each
 in its own session, killed by the kernel if this tool dies.
 """
 
@@ -29,7 +29,8 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
 import launch_triton_server  # noqa: E402
-from inflight.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch  # noqa: E402
+
+from ensemble.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch  # noqa: E402
 
 # Beyond the drain and Triton's own stop (--triton_exit_timeout_s): the drain request, slack.
 STOP_SLACK_S = launch_triton_server.DRAIN_SLACK_S

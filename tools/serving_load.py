@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench_engine import _TEXT
 
-from inflight.executor.types import OutputConfig, Request, SamplingConfig
+from inflight.api.types import OutputConfig, Request, SamplingConfig
 from preprocessing.tokenizer import TextTokenizer
 
 

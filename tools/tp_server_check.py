@@ -20,7 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from inflight.runtime import ModelRunner  # noqa: E402
+from inflight.hosts.runtime import ModelRunner  # noqa: E402
 from tests.e2e.server import running_server  # noqa: E402
 
 

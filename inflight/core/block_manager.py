@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from inflight.core.sequence import Sequence
+from inflight.intmath import cdiv
 
 # The identity of a cached block's content: (parent block hash or None for the first block,
 # the block's token ids). Compared in full on every hit, so a hash collision never attaches a
@@ -72,7 +73,7 @@ class BlockManager:
         return len(self._hash_to_block)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Attach already computed blocks for the leading full blocks of `seq.token_ids`.

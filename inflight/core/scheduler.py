@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from inflight.api.config import CapacitySchedulerPolicy
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence, SequenceStatus
-from inflight.executor.config import CapacitySchedulerPolicy
 
 
 class Scheduler:

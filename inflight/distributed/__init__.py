@@ -1,2 +1,3 @@
 """Tensor parallelism across the GPUs of one machine: the rank group and its collectives
-(`group`), starting, following and stopping the ranks (`launch`)."""
+(`group`), and a step as the plain message rank 0 sends the other ranks (`step_plan`). Starting
+and following the ranks is the runner's (`inflight.runner.ranks`)."""

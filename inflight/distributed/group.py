@@ -4,10 +4,11 @@ Two process groups over the same ranks:
 - `device_group` carries the model's collectives on the model's device (NCCL on CUDA, so
   they are captured into the decode CUDA graphs; gloo on the CPU);
 - `cpu_group` (gloo) carries rank 0's step messages: small int64 host tensors
-  (`inflight.step_plan.StepPlan.pack`), never pickled Python objects.
+  (`inflight.distributed.step_plan.StepPlan.pack`), never pickled Python objects.
 
 With one rank there is no group at all (`TensorParallel.single()`): every collective is the
 identity, so tp=1 runs exactly the code it ran before tensor parallelism existed.
+`rank_device` and `check_devices` say which device each rank runs on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ensemble.errors import ConfigError
+from inflight.api.config import ExecutorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -184,3 +188,26 @@ class TensorParallel:
                          "%.0f s; left to the process exit", self.rank, timeout_s)
             return False
         return True
+
+
+def rank_device(config: ExecutorConfig, rank: int) -> torch.device:
+    """The device rank `rank` runs on: the CPU (gloo) or its GPU of `gpu_device_ids`."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", config.parallel_config.rank_device_ids()[rank])
+
+
+def check_devices(config: ExecutorConfig) -> None:
+    """ConfigError when the GPUs the ranks are to run on are not there."""
+    device = rank_device(config, 0)
+    if device.type != "cuda":
+        return
+    ids = config.parallel_config.rank_device_ids()
+    visible = torch.cuda.device_count()
+    missing = [i for i in ids if i >= visible]
+    if missing:
+        raise ConfigError(
+            f"tensor_parallel_size {config.tensor_parallel_size} runs on GPUs "
+            f"{','.join(map(str, ids))} (gpu_device_ids) but this process sees {visible} GPU(s)"
+            f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"GPU(s) {','.join(map(str, missing))} are not there")

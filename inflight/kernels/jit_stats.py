@@ -5,7 +5,7 @@ argument equals 1 or is divisible by 16, whether each pointer is 16-byte aligned
 constexpr values and the launch options. A launch whose key is new compiles (about a second
 for an attention kernel on an H100) before it runs, so a request that brings a new key stalls
 every row of its step. The engine precompiles every key it can ask for at start-up
-(`inflight.precompile`); this module is how that is checked:
+(`inflight.runner.precompile`); this module is how that is checked:
 
 - `num_compiled()`: variants compiled so far in this process by the package's kernels (the
   sizes of their in-memory JIT caches; 0 under the interpreter, which compiles nothing);

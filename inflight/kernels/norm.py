@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from inflight.kernels._common import (check_float, check_last_dim_contiguous, next_pow2,
-                                      num_warps_for, tl, triton)
+from inflight.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    next_pow2,
+    num_warps_for,
+    tl,
+    triton,
+)
 
 MAX_HIDDEN = 65536
 

@@ -31,8 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.kernels._common import (check_float, check_last_dim_contiguous, dot_precision,
-                                      next_pow2, tl, triton)
+from inflight.intmath import cdiv
+from inflight.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    dot_precision,
+    next_pow2,
+    tl,
+    triton,
+)
 
 # Tokens per K/V tile (see NOTES.md): 64 x 128 bf16 = 16 KiB for K and for V per iteration.
 DEFAULT_BLOCK_N = 64
@@ -135,9 +142,9 @@ def choose_num_partitions(num_seqs: int, num_kv_heads: int, max_context_len: int
     MIN_TOKENS_PER_PARTITION tokens (or one tile). Pure host arithmetic on Python ints; for a
     CUDA graph pass the captured batch size and the longest context it may see."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms, programs)
     min_tokens = max(MIN_TOKENS_PER_PARTITION, block_n)
-    useful = max(1, -(-max_context_len // min_tokens))
+    useful = max(1, cdiv(max_context_len, min_tokens))
     return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from inflight.intmath import cdiv
 from inflight.kernels._common import dot_precision, tl, triton
 from inflight.kernels.paged_attention import check_paged_inputs, check_query_start_loc, output_like
 
@@ -158,7 +159,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     block_m, block_n = block_m or dm, block_n or dn
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
-    num_m_tiles = -(-max_query_len * group // block_m)
+    num_m_tiles = cdiv(max_query_len * group, block_m)
     _prefill_kernel[(num_seqs, num_kv_heads, num_m_tiles)](
         q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e),

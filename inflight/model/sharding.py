@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ensemble.errors import ConfigError
+from inflight.intmath import cdiv
 from inflight.model.config import ModelConfig
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -28,7 +29,7 @@ VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
 def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
-    return -(-vocab_size // tp_size)
+    return cdiv(vocab_size, tp_size)
 
 
 def check_divisible(config: ModelConfig, tp_size: int) -> None:

@@ -25,8 +25,8 @@ import torch
 import xgrammar
 
 from ensemble.errors import ConfigError
-from inflight.executor.config import GuidedDecodingConfig
-from inflight.executor.types import GuidedDecodingParams, RequestError
+from inflight.api.config import GuidedDecodingConfig
+from inflight.api.types import GuidedDecodingParams, RequestError
 from inflight.sampling.token_mask import GuideViolation
 
 # Compiled grammars kept. Over SmolLM2's 49k-token vocabulary one measured 1 KB (a two-word EBNF)

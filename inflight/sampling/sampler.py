@@ -34,8 +34,8 @@ from functools import cached_property
 
 import torch
 
-from inflight.platform import to_device
 from inflight.core.beam_search import BeamRow, Candidates
+from inflight.platform import to_device
 from inflight.sampling.beam_search import beam_candidates
 from inflight.sampling.token_mask import Guide, build_token_mask
 
@@ -126,6 +126,10 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
     beams: dict[int, Candidates] = field(default_factory=dict)  # beam request id -> candidates
+
+    def result(self) -> "SamplerOutput":
+        """Already on the host: `DeviceSample.result()`'s answer, for samples made there."""
+        return self
 
 
 def apply_logits_hooks(logits: torch.Tensor, hooks, request_ids: list[int],

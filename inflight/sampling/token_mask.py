@@ -18,6 +18,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from inflight.intmath import cdiv
+
 BITS_PER_WORD = 32
 
 # apply_token_mask reads the int32 words as bytes, lowest byte first.
@@ -46,7 +48,7 @@ class GuidedRow(Protocol):
 
 
 def num_mask_words(vocab_size: int) -> int:
-    return -(-vocab_size // BITS_PER_WORD)
+    return cdiv(vocab_size, BITS_PER_WORD)
 
 
 @dataclass

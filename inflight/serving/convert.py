@@ -19,8 +19,8 @@ from ensemble.io_contract import CONTEXT_TOKENS
 from ensemble.limits import DEFAULT_MAX_GUIDE_BYTES, DEFAULT_MAX_NUM_WORDS
 from ensemble.params import get_int
 from ensemble.word_list import parse_word_list
-from inflight.executor.features import BUILTIN_FEATURES, EngineFeatures, unsupported
-from inflight.executor.types import Request, RequestError, Response
+from inflight.api.features import BUILTIN_FEATURES, EngineFeatures, unsupported
+from inflight.api.types import InvalidValueError, Request, RequestError, Response
 from inflight.serving import inputs as read
 
 
@@ -134,8 +134,6 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
     max_tokens = read.scalar(inputs, "request_output_len", row, int)
     if max_tokens is None:
         raise RequestError("request_output_len is not present in the request")
-    if max_tokens <= 0:
-        raise RequestError(f"request_output_len (max_tokens) must be > 0, got {max_tokens}")
     if limits.max_input_len is not None and length > limits.max_input_len:
         raise RequestError(f"the prompt has {length} tokens, more than max_input_len "
                            f"({limits.max_input_len}) allows")
@@ -145,20 +143,25 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
     read.check_retention(inputs, row)
     _check_guide_size(inputs, row, limits.max_guide_bytes)
     bias = read.row(inputs, "embedding_bias", row)
-    return Request(
-        input_token_ids=input_ids[row, :length].tolist(),
-        max_tokens=max_tokens,
-        streaming=options.streaming,
-        sampling_config=read.sampling_config(inputs, row),
-        output_config=read.output_config(inputs, row, options.exclude_input),
-        end_id=read.scalar(inputs, "end_id", row, int),
-        pad_id=read.scalar(inputs, "pad_id", row, int),
-        stop_words=_words(inputs, "stop_words_list", row, limits.max_num_words),
-        bad_words=_words(inputs, "bad_words_list", row, limits.max_num_words),
-        embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
-        lora_config=read.lora_config(inputs, row),
-        guided_decoding_params=read.guided_decoding(inputs, row),
-    )
+    try:
+        return Request(
+            input_token_ids=input_ids[row, :length].tolist(),
+            max_tokens=max_tokens,
+            streaming=options.streaming,
+            sampling_config=read.sampling_config(inputs, row),
+            output_config=read.output_config(inputs, row, options.exclude_input),
+            end_id=read.scalar(inputs, "end_id", row, int),
+            pad_id=read.scalar(inputs, "pad_id", row, int),
+            stop_words=_words(inputs, "stop_words_list", row, limits.max_num_words),
+            bad_words=_words(inputs, "bad_words_list", row, limits.max_num_words),
+            embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
+            lora_config=read.lora_config(inputs, row),
+            guided_decoding_params=read.guided_decoding(inputs, row),
+        )
+    except InvalidValueError as exc:  # Request checks max_tokens; the client sent it by this name
+        if exc.field != "max_tokens":
+            raise
+        raise RequestError(f"request_output_len (max_tokens) {exc.rule}, got {exc.value}") from None
 
 
 def _words(inputs, name: str, row: int, max_num_words: int) -> list[list[int]] | None:

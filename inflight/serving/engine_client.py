@@ -74,7 +74,7 @@ class EngineProcess:
         env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_CONTROL_SECRET"}
         try:
             self.process = subprocess.Popen(
-                [python_executable(), "-m", "inflight.serving.engine_process", str(self.run_dir)],
+                [python_executable(), "-m", "inflight.hosts.engine_process", str(self.run_dir)],
                 env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()  # the engine holds it now: its exit shows here as the channel closing
@@ -198,7 +198,7 @@ class InProcessEngine:
         self.last_stats_s = 0.0
 
     def submit(self, rows: list) -> None:
-        from inflight.executor.types import QueueFullError, RequestError
+        from inflight.api.types import QueueFullError, RequestError
 
         try:
             with self.lock:

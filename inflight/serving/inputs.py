@@ -6,7 +6,7 @@ Every NVIDIA input is read here with the meaning TensorRT-LLM's Triton backends 
 always sends them), retention ranges are checked and then only a hint we do not act on. Inputs
 for features this server will not have (multimodal, encoder-decoder, p-tuning, draft tokens,
 disaggregated serving) get one error naming them; features still to be built in the engine are
-refused later, by `inflight.executor.features`. Errors name the input the client sent.
+refused later, by `inflight.api.features`. Errors name the input the client sent.
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ import math
 import numpy as np
 
 from ensemble.io_contract import TEXT_INPUT_ROUTES
-from inflight.executor.types import (GuidedDecodingParams, InvalidValueError, LoraConfig,
-                                     OutputConfig, RequestError, SamplingConfig)
+from inflight.api.types import (
+    GuidedDecodingParams,
+    InvalidValueError,
+    LoraConfig,
+    OutputConfig,
+    RequestError,
+    SamplingConfig,
+)
 
 # SamplingConfig field -> tensorrt_llm input (where the names differ).
 _FIELD_INPUTS = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "top_p_min": "runtime_top_p_min",

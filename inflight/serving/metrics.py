@@ -12,7 +12,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from inflight.executor.stats import IterationStats
+from inflight.api.stats import IterationStats
 
 # family -> (label key, description)
 GAUGE_FAMILIES = {

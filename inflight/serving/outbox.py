@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from inflight.executor.types import Response, Result
+from inflight.api.types import Response, Result
 from inflight.serving.wire import token_response
 
 

@@ -8,10 +8,16 @@ from typing import Callable
 
 from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
-from inflight.executor.config import (CapacitySchedulerPolicy, ExecutorConfig,
-                                      ExtendedRuntimePerfKnobConfig, GuidedDecodingBackend,
-                                      GuidedDecodingConfig, KvCacheConfig, ParallelConfig,
-                                      SchedulerConfig)
+from inflight.api.config import (
+    CapacitySchedulerPolicy,
+    ExecutorConfig,
+    ExtendedRuntimePerfKnobConfig,
+    GuidedDecodingBackend,
+    GuidedDecodingConfig,
+    KvCacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 def get_str(params: dict[str, str], key: str, default: str) -> str:

@@ -39,7 +39,7 @@ import time
 from collections import deque
 
 from ensemble import control
-from inflight.executor.types import FinishReason, Response
+from inflight.api.types import FinishReason, Response
 from inflight.serving import convert, deadlines, drain, wire
 from inflight.serving.delivery import DeliveryTracker
 from inflight.serving.outbox import Outbox

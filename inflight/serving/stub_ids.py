@@ -1,7 +1,7 @@
 """Which engine request answers to which stub id: the bookkeeping both engine hosts share.
 
 The `tensorrt_llm` model names each engine request (one batch row of a Triton request) by a
-stub id; the engine names it by its own request id. `inflight.serving.engine_process` (the
+stub id; the engine names it by its own request id. `inflight.hosts.engine_process` (the
 engine in its own process) and `engine_client.InProcessEngine` (in the stub) both map one to
 the other while the request is in flight. Not thread-safe: the caller serialises.
 """

@@ -6,7 +6,7 @@ taken, executes) and how long they took, e.g.
 
     stub timings over 2.0 s: send 812/s 1.21 ms mean 9.03 max | is_cancelled 250/s ...
 
-and the engine process (`inflight.serving.engine_process`) logs an `engine timings` line alike.
+and the engine process (`inflight.hosts.engine_process`) logs an `engine timings` line alike.
 A request's first token is split across them: `first.engine` (stub: submitted → its first
 response taken from the engine's events), `first.outbox` (stub: taken → its send starts) and,
 inside the first, `first.token` (engine process: its ADD read → its first response out of a

@@ -28,9 +28,17 @@ import dataclasses
 import msgpack
 import numpy as np
 
-from inflight.executor.stats import InflightBatchingStats, IterationStats, KvCacheStats
-from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request,
-                                     RequestPerfMetrics, Response, Result, SamplingConfig)
+from inflight.api.stats import InflightBatchingStats, IterationStats, KvCacheStats
+from inflight.api.types import (
+    FinishReason,
+    GuidedDecodingParams,
+    OutputConfig,
+    Request,
+    RequestPerfMetrics,
+    Response,
+    Result,
+    SamplingConfig,
+)
 
 ADD, CANCEL, SHUTDOWN = "add", "cancel", "shutdown"
 READY, INIT_ERROR, REJECTED, STEP, FATAL = "ready", "init_error", "rejected", "step", "fatal"
@@ -53,7 +61,7 @@ def request_to_wire(request: Request) -> dict:
     if request.logits_processor is not None or request.stopping_criteria is not None:
         raise ValueError("logits_processor and stopping_criteria cannot cross a process boundary")
     # The builtin engine has no LoRA yet; the serving layer refuses it before this point
-    # (inflight.executor.features). Fail loudly rather than drop it if that ever changes.
+    # (inflight.api.features). Fail loudly rather than drop it if that ever changes.
     if request.lora_config is not None:
         raise ValueError("lora_config does not cross the process boundary yet")
     guided = request.guided_decoding_params

@@ -27,8 +27,8 @@ def _i32(*values):
 
 
 ENSEMBLE_CASES = [
-    ("max_tokens zero", {"text_input": "Hi", "max_tokens": 0}, "max_tokens must be > 0"),
-    ("max_tokens negative", {"text_input": "Hi", "max_tokens": -5}, "max_tokens must be > 0"),
+    ("max_tokens zero", {"text_input": "Hi", "max_tokens": 0}, "request_output_len (max_tokens) must be > 0, got 0"),
+    ("max_tokens negative", {"text_input": "Hi", "max_tokens": -5}, "(max_tokens) must be > 0, got -5"),
     ("max_tokens over the context", {"text_input": "Hi", "max_tokens": 100000},
      "exceeds the maximum sequence length"),
     ("max_tokens as FP32", {"text_input": "Hi", "max_tokens": np.array([[3.0]], dtype=np.float32)},

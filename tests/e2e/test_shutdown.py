@@ -222,10 +222,10 @@ def _model_ready(server: Server, model: str) -> int:
 
 
 def _engine_processes(session_id: int) -> list[int]:
-    """The engine processes (inflight.serving.engine_process) that tritonserver's stubs started."""
+    """The engine processes (inflight.hosts.engine_process) that tritonserver's stubs started."""
     found = []
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and b"inflight.serving.engine_process" in _cmdline(proc):
+        if proc.name.isdigit() and b"inflight.hosts.engine_process" in _cmdline(proc):
             try:
                 if os.getsid(int(proc.name)) == session_id:
                     found.append(int(proc.name))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import SamplingConfig
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import SamplingConfig
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, final, gen_request, output_tokens, run
 from tests.model.numerics import assert_greedy_tokens_match

@@ -6,8 +6,8 @@ within fp32 noise (tests/model/numerics.py). bf16 and the SmolLM2 weights: tools
 
 from __future__ import annotations
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
+from inflight.api.config import ExecutorConfig
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, gen_request, output_tokens, run
 from tests.model.numerics import assert_greedy_tokens_match

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import GuidedDecodingParams
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import GuidedDecodingParams
+from inflight.engine.llm_engine import LLMEngine
 from inflight.sampling.grammar import GrammarCompiler
 from inflight.sampling.sampler import Sampler, SamplingRow
 from tests.model.checkpoints import save_tiny_checkpoint

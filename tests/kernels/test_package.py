@@ -11,7 +11,7 @@ import inflight.kernels as kernels
 WITHOUT_TRITON = textwrap.dedent("""
     import sys
     sys.modules["triton"] = None  # as if triton were not installed
-    import inflight.engine, inflight.kernels as kernels, inflight.kernels.reference
+    import inflight.engine.llm_engine, inflight.kernels as kernels, inflight.kernels.reference
     assert not kernels.triton_available()
     try:
         kernels.rms_norm

@@ -10,11 +10,11 @@ from typing import Iterator
 import pytest
 import torch
 
-import inflight.worker
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig, KvCacheConfig
-from inflight.executor.types import OutputConfig, Request, Response
-from inflight.runtime import LogitsProcessor
+import inflight.runner.worker
+from inflight.api.config import ExecutorConfig, KvCacheConfig
+from inflight.api.types import OutputConfig, Request, Response
+from inflight.engine.llm_engine import LLMEngine
+from inflight.hosts.runtime import LogitsProcessor
 
 # Small enough that allocating (zeroing) the cache is cheap; tests that exercise capacity pass
 # their own KvCacheConfig.
@@ -37,7 +37,7 @@ def shared_weights() -> Iterator[None]:
     """Engines built inside share one loaded copy of each checkpoint (weights are read-only at
     inference; every engine still gets its own KV cache, scheduler and block manager)."""
     cache: dict = {}
-    real_load = inflight.worker.load_model
+    real_load = inflight.runner.worker.load_model
 
     def cached_load(model_dir, dtype, device, *args, **kwargs):
         if kwargs:  # a tensor-parallel rank's shards (tp=...) or in-memory weights: not shared
@@ -48,7 +48,7 @@ def shared_weights() -> Iterator[None]:
         return cache[key]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inflight.worker, "load_model", cached_load)
+        mp.setattr(inflight.runner.worker, "load_model", cached_load)
         yield
 
 

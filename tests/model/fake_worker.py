@@ -1,4 +1,4 @@
-"""A stand-in for `inflight.worker.Worker`: made-up logits instead of a model, real sampling.
+"""A stand-in for `inflight.runner.worker.Worker`: made-up logits instead of a model, real sampling.
 
 Engine logic (stop words, bad words, min_tokens, penalties, embedding bias, log probs, streaming
 deltas, seeds) depends on the logits only through the sampler, so it is tested here in
@@ -13,10 +13,10 @@ import zlib
 
 import torch
 
-from inflight.core.outputs import SchedulerOutput
-from inflight.executor.config import ExecutorConfig
+from inflight.api.config import ExecutorConfig
 from inflight.model.config import ModelConfig
-from inflight.sampling.sampler import Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
+from inflight.runner.step_inputs import StepOrder
+from inflight.sampling.sampler import Sampler, SamplerOutput, apply_logits_hooks
 
 VOCAB = 512
 EOS = 2
@@ -68,8 +68,10 @@ class FakeWorker:
         cached = [self.kv_tokens[seq.block_table[pos // size]][pos % size] for pos in range(item.context_len)]
         assert cached == seq.token_ids[:item.context_len], f"request {seq.request_id}: KV holds other tokens"
 
-    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow], hooks=None,
-                request_ids=None, context_logits=None, generation_logits=None) -> SamplerOutput:
+    def launch(self, order: StepOrder) -> SamplerOutput:
+        """The real worker's one way in; the sample is on the host at once."""
+        batch, rows, hooks, request_ids = order.batch, order.rows, order.hooks, order.request_ids
+        context_logits, generation_logits = order.context_logits, order.generation_logits
         self.num_steps += 1
         sampled = []
         for item in batch.scheduled:

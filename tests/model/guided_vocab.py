@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from inflight.executor.config import GuidedDecodingConfig
+from inflight.api.config import GuidedDecodingConfig
 
 EOS = 2
 _CHARS = [chr(c) for c in range(32, 127)]

@@ -16,11 +16,17 @@ import math
 import pytest
 import torch
 
+from inflight.api.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
+from inflight.api.types import (
+    FinishReason,
+    GuidedDecodingParams,
+    OutputConfig,
+    Request,
+    RequestError,
+    SamplingConfig,
+)
 from inflight.core.beam_search import BeamRow
-from inflight.engine import LLMEngine
-from inflight.executor.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import (FinishReason, GuidedDecodingParams, OutputConfig, Request, RequestError,
-                                     SamplingConfig)
+from inflight.engine.llm_engine import LLMEngine
 from inflight.sampling.beam_search import beam_candidates
 from tests.model.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, make_engine, run

@@ -17,11 +17,11 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
 pytest.importorskip("triton")
 
-from inflight.cuda_graph import CudaGraphRunner, GraphStep, MixedStep, StaticLayout  # noqa: E402
 from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
-from tests.model.tolerances import logits_tolerance  # noqa: E402
+from inflight.runner.cuda_graph import CudaGraphRunner, GraphStep, MixedStep, StaticLayout  # noqa: E402
 from tests.model.checkpoints import save_tiny_checkpoint  # noqa: E402
+from tests.model.tolerances import logits_tolerance  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 BLOCK = 8

@@ -19,10 +19,17 @@ import random
 
 import pytest
 
-from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import FinishReason, Request, SamplingConfig
-from tests.model.engine_utils import (RecordLogits, assert_kv_idle, final, gen_request, make_engine,
-                                     output_tokens, run)
+from inflight.api.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
+from inflight.api.types import FinishReason, Request, SamplingConfig
+from tests.model.engine_utils import (
+    RecordLogits,
+    assert_kv_idle,
+    final,
+    gen_request,
+    make_engine,
+    output_tokens,
+    run,
+)
 from tests.model.numerics import assert_greedy_tokens_match
 
 NUM_NEW = 16

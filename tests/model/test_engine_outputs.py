@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.executor.config import KvCacheConfig
-from inflight.executor.types import OutputConfig, Request, SamplingConfig
+from inflight.api.config import KvCacheConfig
+from inflight.api.types import OutputConfig, Request, SamplingConfig
 from inflight.model.config import ModelConfig
 from tests.model.engine_utils import final, make_engine, output_tokens, run
 from tests.model.numerics import assert_logits_close, log_softmax_noise, logit_noise_bound

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, final, gen_request, output_tokens, run
 from tests.model.fake_worker import FakeWorker
 from tests.model.numerics import elementwise_noise, log_softmax_noise

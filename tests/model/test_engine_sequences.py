@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.api.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
+from inflight.api.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.engine_utils import assert_kv_idle, final, run
 from tests.model.fake_worker import FakeWorker, fake_logits
 

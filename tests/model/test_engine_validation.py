@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import QueueFullError, Request, RequestError
-from tests.model.engine_utils import (assert_kv_idle, make_engine, output_tokens, run)
+from inflight.api.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
+from inflight.api.types import QueueFullError, Request, RequestError
+from tests.model.engine_utils import assert_kv_idle, make_engine, output_tokens, run
 
 VOCAB = 500  # the tiny checkpoint's
 
@@ -78,7 +78,7 @@ def test_return_sequences_are_bounded_by_batch_rows_and_the_cache(tiny_dir):
     """num_return_sequences had no bound: 10^6 sequences grew the engine by gigabytes before any
     token. Refused before any state is built: beyond the batch's rows, or beyond the cache that
     the sequences need together (the prompt's full blocks are shared)."""
-    from inflight.executor.types import SamplingConfig
+    from inflight.api.types import SamplingConfig
 
     engine = make_engine(tiny_dir, max_batch_size=8,
                          kv_cache_config=KvCacheConfig(max_tokens=64, tokens_per_block=8))

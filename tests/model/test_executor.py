@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import FinishReason, QueueFullError, Request, RequestError, Response
 from inflight.fatal_errors import EngineFatalError
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.executor import Executor
-from inflight.executor.types import FinishReason, QueueFullError, Request, RequestError, Response
-from tests.model.engine_utils import (DEFAULT_KV, final, make_engine, output_tokens, run)
+from inflight.hosts.executor import Executor
+from tests.model.engine_utils import DEFAULT_KV, final, make_engine, output_tokens, run
 
 PROMPTS = [[1, 17, 250, 33], [1, 5], list(range(3, 30)), [7, 300, 301, 7, 300, 9, 9]]
 NUM_NEW = 12

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine import LLMEngine
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import Request
+from inflight.engine.llm_engine import LLMEngine
 from inflight.fatal_errors import EngineFatalError, breaks_device
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import Request
 from inflight.sampling.sampler import SamplerOutput
 from tests.model.engine_utils import DEFAULT_KV, gen_request, output_tokens, run
 from tests.model.fake_worker import VOCAB, FakeWorker
@@ -82,9 +82,9 @@ def test_one_faulty_request_fails_alone(solo, fault, error):
 class OutOfVocabWorker(FakeWorker):
     """A broken checkpoint: the model answers an id past its vocabulary for one request."""
 
-    def execute(self, batch, rows, hooks=None, request_ids=None) -> SamplerOutput:
-        output = super().execute(batch, rows, hooks, request_ids)
-        sampled = [item for item in batch.scheduled if item.is_sampled]
+    def launch(self, order) -> SamplerOutput:
+        output = super().launch(order)
+        sampled = [item for item in order.batch.scheduled if item.is_sampled]
         for i, item in enumerate(sampled):
             if item.seq.prompt_token_ids == PROMPTS[1]:
                 output.token_ids[i] = VOCAB + 5

@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.features import GUIDED_DECODING_OFF
-from inflight.executor.types import FinishReason, GuidedDecodingParams, RequestError, SamplingConfig
+from inflight.api.config import ExecutorConfig
+from inflight.api.features import GUIDED_DECODING_OFF
+from inflight.api.types import FinishReason, GuidedDecodingParams, RequestError, SamplingConfig
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.engine_utils import DEFAULT_KV, final, gen_request, make_engine, output_tokens, run
 from tests.model.fake_worker import VOCAB, FakeWorker
 from tests.model.guided_vocab import EOS, GUIDES, SCHEMA, char_vocab, detokenize, guided_config

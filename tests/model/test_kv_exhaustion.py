@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import RequestError
+from inflight.api.config import CapacitySchedulerPolicy, ExecutorConfig, KvCacheConfig, SchedulerConfig
+from inflight.api.types import RequestError
+from inflight.engine.llm_engine import LLMEngine
 from tests.model.engine_utils import gen_request, output_tokens, run
 from tests.model.fake_worker import FakeWorker
 

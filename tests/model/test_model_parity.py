@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import inflight.worker
+import inflight.runner.worker
 from inflight.model.attention import StepMetadata
 from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
@@ -44,7 +44,7 @@ def tiny(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2(smol, smollm2_hf):
-    model, config = inflight.worker.load_model(smol, torch.float32, torch.device("cpu"))  # shared copy
+    model, config = inflight.runner.worker.load_model(smol, torch.float32, torch.device("cpu"))  # shared copy
     return smollm2_hf, model, config
 
 

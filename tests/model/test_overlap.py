@@ -16,11 +16,11 @@ import math
 
 import torch
 
-from inflight.executor.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
-from inflight.executor.types import FinishReason, SamplingConfig
-from inflight.runtime import LogitsProcessor, StoppingCriteria
-from tests.model.tolerances import fp32_noise_bound
+from inflight.api.config import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
+from inflight.api.types import FinishReason, SamplingConfig
+from inflight.hosts.runtime import LogitsProcessor, StoppingCriteria
 from tests.model.engine_utils import assert_kv_idle, gen_request, make_engine
+from tests.model.tolerances import fp32_noise_bound
 
 
 def drive(engine, requests, arrivals=None, cancel_after=None, max_steps=3000):

@@ -21,12 +21,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-from inflight.executor.config import KvCacheConfig  # noqa: E402
-from inflight.executor.types import SamplingConfig  # noqa: E402
+from inflight.api.config import KvCacheConfig  # noqa: E402
+from inflight.api.types import SamplingConfig  # noqa: E402
 from inflight.kernels.jit_stats import LaunchRecorder  # noqa: E402
 from inflight.model.attention import AttentionLimits  # noqa: E402
 from inflight.model.loader import load_model  # noqa: E402
-from inflight.precompile import precompile, step_kinds  # noqa: E402
+from inflight.runner.precompile import precompile, step_kinds  # noqa: E402
 from tests.model.checkpoints import LLAMA3_ROPE, TINY_COMMON  # noqa: E402
 from tests.model.engine_utils import gen_request, make_engine, run  # noqa: E402
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import FinishReason, RequestError
-from inflight.runtime import LogitsProcessor, ModelRunner, StoppingCriteria
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import FinishReason, RequestError
+from inflight.engine.llm_engine import LLMEngine
+from inflight.hosts.runtime import LogitsProcessor, ModelRunner, StoppingCriteria
 from preprocessing import load_tokenizer
 from tests.model.engine_utils import DEFAULT_KV, assert_kv_idle
 from tests.model.fake_worker import FakeWorker

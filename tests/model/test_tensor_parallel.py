@@ -22,13 +22,13 @@ if not torch.cuda.is_available():  # the CUDA-path test runs the Triton backend 
 import transformers  # noqa: E402
 
 from ensemble.errors import ConfigError  # noqa: E402
-from inflight.distributed.launch import check_devices  # noqa: E402
-from inflight.engine import LLMEngine  # noqa: E402
+from inflight.api.config import ExecutorConfig, KvCacheConfig, ParallelConfig  # noqa: E402
+from inflight.distributed.step_plan import StepPlan  # noqa: E402
+from inflight.engine.llm_engine import LLMEngine  # noqa: E402
 from inflight.fatal_errors import EngineFatalError  # noqa: E402
-from inflight.executor.config import ExecutorConfig, KvCacheConfig, ParallelConfig  # noqa: E402
 from inflight.model.config import ModelConfig  # noqa: E402
 from inflight.model.sharding import Shard, check_divisible, shard_for  # noqa: E402
-from inflight.step_plan import StepPlan  # noqa: E402
+from inflight.distributed.group import check_devices  # noqa: E402
 from tests.model.checkpoints import TINY_COMMON  # noqa: E402
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, output_tokens, run  # noqa: E402
 from tests.model.tolerances import fp32_noise_bound  # noqa: E402
@@ -128,8 +128,8 @@ def test_tp2_with_the_cuda_start_up_and_step_paths(checkpoint, monkeypatch, tmp_
     teardown is collective (as NCCL's is), so a rank 0 that waited for rank 1's exit before
     its own teardown (the first 2-GPU run's hang) deadlocks here too and rank 1 is killed.
     Small batch and lengths: the attention kernels run under Triton's interpreter."""
+    from inflight.runner import ranks as launch
     from tests.model import tp_cuda_like
-    from inflight.distributed import launch
     path = checkpoint
     prompts, max_tokens = [[5, 17, 42, 99, 7, 310], [1, 2, 3], [450, 8]], [5, 4, 6]
     config = dict(max_batch_size=4, max_num_tokens=16, max_seq_len=32)

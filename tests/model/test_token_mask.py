@@ -11,7 +11,7 @@ import torch
 import xgrammar
 
 from ensemble.errors import ConfigError
-from inflight.executor.types import GuidedDecodingParams
+from inflight.api.types import GuidedDecodingParams
 from inflight.sampling import grammar
 from inflight.sampling.token_mask import apply_token_mask, ban_tokens, build_token_mask, num_mask_words
 from inflight.serving.params import executor_config

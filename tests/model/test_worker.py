@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inflight.api.config import ExecutorConfig, KvCacheConfig
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
-from inflight.executor.config import ExecutorConfig, KvCacheConfig
+from inflight.runner.step_inputs import StepOrder
+from inflight.runner.worker import Worker
 from inflight.sampling.sampler import SamplingRow
-from inflight.worker import Worker
 
 
 @pytest.fixture(scope="module")
@@ -27,26 +28,28 @@ def _batch():
     return SchedulerOutput([ScheduledSequence(a, 5), ScheduledSequence(b, 12)]), a
 
 
-def test_prepare_run_sample_is_execute(worker):
+def test_prepare_run_sample_is_launch(worker):
     batch, a = _batch()
     rows = [SamplingRow(token_ids=a.token_ids, num_prompt_tokens=5)]
-    step = worker.prepare_inputs(batch, rows)
+    step = worker.prepare_inputs(StepOrder.from_batch(batch, worker.block_size, rows))
     assert step.input_ids.tolist() == [5, 6, 7, 8, 9] + list(range(20, 32))
     assert step.positions.tolist() == list(range(5)) + list(range(12))
     assert step.logits_indices.tolist() == [4] and step.num_sampled == 1
     assert step.metadata.query_start_loc_host == (0, 5, 17)
-    logits = worker.run_model(step)
+    logits, prompt_logits = worker.run_model(step)
     assert logits.shape == (1, worker.model_config.vocab_size) and logits.dtype == torch.float32
-    token = worker.sample(logits, step).token_ids
+    assert prompt_logits is None
+    token = worker.sample(logits, step).result().token_ids
     batch, a = _batch()  # the same step again on a fresh batch: same cache slots, same math
-    assert worker.execute(batch, [SamplingRow(token_ids=a.token_ids, num_prompt_tokens=5)]).token_ids == token
+    rows = [SamplingRow(token_ids=a.token_ids, num_prompt_tokens=5)]
+    assert worker.launch(StepOrder.from_batch(batch, worker.block_size, rows)).result().token_ids == token
     assert token == [int(logits.argmax())]
 
 
 def test_rows_must_match_the_sampled_sequences(worker):
     batch, _ = _batch()
     with pytest.raises(ValueError, match="0 sampling rows for 1 sampled sequences"):
-        worker.prepare_inputs(batch, [])
+        StepOrder.from_batch(batch, worker.block_size, [])
 
 
 def test_warm_up_runs_the_largest_step_without_touching_the_cache(worker):

@@ -14,7 +14,7 @@ The test config turns `enable_overlap_scheduler` on itself (it travels to the ot
 teardown), so a test can check that each one pairs up across ranks: gloo tolerates some
 mismatches (a broadcast of another size) that NCCL does not.
 
-Spawned ranks run `rank_main` (set as `inflight.distributed.launch._rank_main` in rank 0, it
+Spawned ranks run `rank_main` (set as `inflight.runner.ranks._rank_main` in rank 0, it
 is pickled by name), which applies the same patches in the new process first.
 """
 
@@ -28,12 +28,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import torch  # noqa: E402
 
-from inflight import worker as worker_module  # noqa: E402
-from inflight.cuda_graph import CudaGraphRunner  # noqa: E402
-from inflight.distributed import launch  # noqa: E402
 from inflight.distributed.group import TensorParallel  # noqa: E402
 from inflight.model import ops as ops_module  # noqa: E402
-from inflight.precompile import precompile  # noqa: E402
+from inflight.runner import ranks as launch  # noqa: E402
+from inflight.runner import worker as worker_module  # noqa: E402
+from inflight.runner.cuda_graph import CudaGraphRunner  # noqa: E402
+from inflight.runner.precompile import precompile  # noqa: E402
 
 TRACE_ENV = "INFLIGHT_TEST_TP_TRACE"
 TRACE: list[list] = []  # this process's collectives, in order

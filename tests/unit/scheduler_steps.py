@@ -7,11 +7,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from inflight.api.config import CapacitySchedulerPolicy
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence, SequenceStatus
-from inflight.executor.config import CapacitySchedulerPolicy
 
 NO_EVICT = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
 MAX_UTIL = CapacitySchedulerPolicy.MAX_UTILIZATION

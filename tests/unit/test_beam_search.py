@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from inflight.api.config import CapacitySchedulerPolicy
 from inflight.core.beam_search import BeamSearch, Candidates
 from inflight.core.block_manager import BlockManager
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence, SequenceStatus
-from inflight.executor.config import CapacitySchedulerPolicy
 
 EOS = 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from inflight.executor.types import FinishReason, Request
+from inflight.api.types import FinishReason, Request
 from inflight.serving import convert
 from inflight.serving.deadlines import Deadlines
 from inflight.serving.request_table import RequestTable

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ensemble.errors import ConfigError
-from inflight.executor.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, ParallelConfig
+from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, ParallelConfig
 from inflight.serving import params
 from inflight.serving.params import KNOBS, template_defaults
 

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from inflight.executor.stats import IterationStats
+from inflight.api.stats import IterationStats
 from inflight.serving.metrics import GAUGE_FAMILIES, gauge_values
 from tests.conftest import REPO_ROOT
 

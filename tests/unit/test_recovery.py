@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from inflight.recovery import (RestartPolicy, describe_exit, group_is_alive, is_running, python_stubs,
-                               remove_own_shm, remove_stale_shm)
+from inflight.recovery import (
+    RestartPolicy,
+    describe_exit,
+    group_is_alive,
+    is_running,
+    python_stubs,
+    remove_own_shm,
+    remove_stale_shm,
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
 
@@ -109,7 +116,7 @@ def test_the_stubs_of_a_server_are_found_by_model_and_a_zombie_is_not_running(tm
     _fake_process(tmp_path, 11, 10, [stub, "/r/preprocessing/1/model.py", "prefix", "1048576"])
     _fake_process(tmp_path, 12, 10, [stub, "/r/tensorrt_llm/1/model.py", "prefix", "1048576"])
     _fake_process(tmp_path, 13, 10, [stub, "/r/postprocessing/1/model.py"], state="Z")  # dead, unreaped
-    _fake_process(tmp_path, 14, 11, ["python", "-m", "inflight.serving.engine_process"])  # a grandchild
+    _fake_process(tmp_path, 14, 11, ["python", "-m", "inflight.hosts.engine_process"])  # a grandchild
     _fake_process(tmp_path, 15, 99, [stub, "/other/preprocessing/1/model.py"])  # another server's
     assert python_stubs(10, tmp_path) == {11: "preprocessing", 12: "tensorrt_llm"}
     assert is_running(11, tmp_path) and not is_running(13, tmp_path) and not is_running(16, tmp_path)

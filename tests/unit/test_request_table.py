@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inflight.executor.stats import IterationStats
-from inflight.executor.types import (FinishReason, GuidedDecodingParams, Request, RequestPerfMetrics,
-                                     Response, Result)
+from inflight.api.stats import IterationStats
+from inflight.api.types import (
+    FinishReason,
+    GuidedDecodingParams,
+    Request,
+    RequestPerfMetrics,
+    Response,
+    Result,
+)
 from inflight.serving import convert, wire
 from inflight.serving.outbox import merge
 from inflight.serving.request_table import RequestTable

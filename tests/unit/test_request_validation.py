@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.executor.config import (CapacitySchedulerPolicy, ConfigError, ExecutorConfig, KvCacheConfig,
-                                      SchedulerConfig)
-from inflight.executor.types import GuidedDecodingParams, Request, RequestError, SamplingConfig
+from inflight.api.config import (
+    CapacitySchedulerPolicy,
+    ConfigError,
+    ExecutorConfig,
+    KvCacheConfig,
+    SchedulerConfig,
+)
+from inflight.api.types import GuidedDecodingParams, Request, RequestError, SamplingConfig
 
 KV_FRACTION_RULE = r"kv_cache_free_gpu_mem_fraction must be in \(0, 1\]"
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Request([1, 2], 0), "max_tokens must be a positive integer, got 0"),
-    (lambda: Request([1, 2], -3), "max_tokens must be a positive integer, got -3"),
+    (lambda: Request([1, 2], 0), "max_tokens must be > 0, got 0"),
+    (lambda: Request([1, 2], -3), "max_tokens must be > 0, got -3"),
     (lambda: Request([], 4), "input_token_ids must not be empty"),
     (lambda: Request([1, -5], 4), "input_token_ids must be >= 0"),
     (lambda: Request([1], 4, stop_words=[[3], []]), "stop_words must not contain an empty word"),

@@ -7,9 +7,9 @@ import pytest
 
 from ensemble import params as pbtxt
 from ensemble.io_contract import CANCEL_KEY_PREFIX
-from inflight.executor.config import CapacitySchedulerPolicy, ConfigError
-from inflight.executor.features import EngineFeatures
-from inflight.executor.types import FinishReason, RequestError, RequestPerfMetrics, Response, Result
+from inflight.api.config import CapacitySchedulerPolicy, ConfigError
+from inflight.api.features import EngineFeatures
+from inflight.api.types import FinishReason, RequestError, RequestPerfMetrics, Response, Result
 from inflight.serving import convert, params
 
 
@@ -188,7 +188,7 @@ def test_operator_limits_on_prompt_and_output_length():
 
 
 def test_tensorrtllm_backend_without_the_package_fails_with_one_clear_sentence():
-    from inflight.serving.backend import BackendUnavailable, create_executor
+    from inflight.hosts.backend import BackendUnavailable, create_executor
 
     with pytest.raises(BackendUnavailable) as info:
         create_executor("tensorrtllm", "unused", params.executor_config({}))

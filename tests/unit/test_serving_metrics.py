@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from inflight.executor.stats import IterationStats
+from inflight.api.stats import IterationStats
 from inflight.serving.metrics import TritonMetrics
 
 

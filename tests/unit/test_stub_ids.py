@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inflight.executor.types import FinishReason, Response, Result
+from inflight.api.types import FinishReason, Response, Result
 from inflight.serving.stub_ids import StubIds
 
 

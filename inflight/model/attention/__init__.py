@@ -15,7 +15,7 @@ import torch
 
 from ensemble.errors import ConfigError
 from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers, MixedBuffers
-from inflight.model.attention.metadata import Row, StepMetadata, cdiv
+from inflight.model.attention.metadata import Row, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -84,4 +84,4 @@ def resolve_attention_backend(name: str, device: torch.device, cuda_graph_mode: 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLimits", "BackendEntry",
            "DEFAULT_ATTENTION_BACKENDS", "DecodeBuffers", "MixedBuffers", "Row", "StepMetadata",
-           "attention_backend_class", "cdiv", "get_attention_backend", "resolve_attention_backend"]
+           "attention_backend_class", "get_attention_backend", "resolve_attention_backend"]

@@ -19,14 +19,11 @@ from typing import Sequence
 
 import torch
 
+from inflight.intmath import cdiv
 from inflight.platform import pack_to_device
 
 # (start_position, num_new_tokens, block_table) for one row of the step.
 Row = tuple[int, int, Sequence[int]]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,7 @@ import torch
 
 from inflight import kernels
 from inflight.kernels.paged_attention import DecodeWorkspace, choose_num_partitions
-from inflight.model.attention.base import (AttentionBackend, AttentionLimits, DecodeBuffers,
-                                           MixedBuffers)
+from inflight.model.attention.base import AttentionBackend, AttentionLimits, DecodeBuffers, MixedBuffers
 from inflight.model.attention.metadata import StepMetadata
 
 # SM count assumed where there is no GPU (the interpreter on a CPU): only sizes split-K.

@@ -101,11 +101,10 @@ class TritonPythonModel:
             # Empty strings are what clients send for "none" (NVIDIA's scripts do).
             if values.size and (values.dtype != np.object_ or any(len(v) for v in values.reshape(-1))):
                 raise InputError(reason)
+        # max_tokens is the engine's to check (inflight.api.types.Request): one rule, one place.
         max_tokens = find("REQUEST_OUTPUT_LEN").as_numpy()
         batch = max_tokens.shape[0]
         max_tokens = max_tokens.reshape(batch, -1)
-        if (max_tokens <= 0).any():
-            raise InputError(f"max_tokens must be > 0, got {int(max_tokens.min())}")
         ids = self._prompts(find, batch)
         end_id = self._scalar_or(find, "END_ID", self.tokenizer.end_id, batch)
         pad_id = self._scalar_or(find, "PAD_ID", self.tokenizer.pad_id, batch)

@@ -27,9 +27,9 @@ import triton_python_backend_utils as pb_utils
 from ensemble import control, lifeline, params
 from ensemble.errors import InputError
 from ensemble.io_contract import TENSORRT_LLM
-from inflight.executor.types import QueueFullError, RequestError
+from inflight.api.types import QueueFullError, RequestError
+from inflight.hosts.backend import create_executor, engine_features
 from inflight.serving import convert, drain, faults, metrics
-from inflight.serving.backend import create_executor, engine_features
 from inflight.serving.engine_client import EngineProcess, EngineStartError, InProcessEngine
 from inflight.serving.params import executor_config, ignored_parameters
 from inflight.serving.request_table import RequestTable

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from bls.pipeline import Pipeline
 from ensemble import lifeline, params
 from ensemble.errors import InputError
-from inflight.executor.types import RequestError
+from inflight.api.types import RequestError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -1,6 +1,6 @@
 """The engine process: runs `LLMEngine` for one `tensorrt_llm` model instance, off the stub's GIL.
 
-    python -m inflight.serving.engine_process RUN_DIR
+    python -m inflight.hosts.engine_process RUN_DIR
 
 The python stub (`inflight.serving.engine_client`) writes `RUN_DIR/engine.json` (model path,
 config.pbtxt parameters, queue size) into a private (0700) directory and starts this process
@@ -23,16 +23,15 @@ exits without tearing the interpreter down, since the model's unload waits for i
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
+from ensemble.supervisor import exit_with_parent
 from inflight.serving import metrics, wire
 from inflight.serving.channel import Channel
 from inflight.serving.stub_ids import StubIds
@@ -43,25 +42,13 @@ logger = logging.getLogger("inflight.engine_process")
 IDLE_POLL_S = 1.0  # how long an idle loop waits for a command before checking its parent
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the thread that started it ends (Linux), and exit now if the
-    parent is already gone."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the idle parent check still applies
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def build_engine(spec: dict):
-    from inflight.engine import LLMEngine
+    from inflight.engine.llm_engine import LLMEngine
     from inflight.serving import faults
     from inflight.serving.params import executor_config
 
     config = executor_config(spec["parameters"], spec.get("max_queue_size"))
-    make = getattr(LLMEngine, "from_dir", None)  # main's constructor; the engine's own otherwise
-    engine = make(spec["model_path"], config) if make else LLMEngine(spec["model_path"], config)
+    engine = LLMEngine.from_dir(spec["model_path"], config)
     faults.install_test_hook(engine, spec.get("fault_spec"))
     engine.compact_stream_chunks = True  # one-token chunks as tuples: wire.split_plain packs them
     return engine
@@ -133,7 +120,7 @@ class EngineLoop:
 
     def _add(self, rows: list) -> None:
         """Admit one Triton request's rows, or none of them (as TensorRT-LLM does)."""
-        from inflight.executor.types import QueueFullError, RequestError
+        from inflight.api.types import QueueFullError, RequestError
 
         added: list[int] = []
         try:
@@ -197,7 +184,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads((run_dir / "engine.json").read_text())
     # The folder only hands the spec over: gone now, it cannot outlive a crash of either process.
     shutil.rmtree(run_dir, ignore_errors=True)
-    die_with_parent(spec["parent_pid"])
+    exit_with_parent(spec["parent_pid"])
     logging.basicConfig(level=logging.WARNING, format="[inflight engine] %(levelname)s %(message)s")
     channel = Channel.from_fd(spec["channel_fd"])
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.features import ALL_FEATURES, BUILTIN_FEATURES, EngineFeatures
+from inflight.api.config import ExecutorConfig
+from inflight.api.features import ALL_FEATURES, BUILTIN_FEATURES, EngineFeatures
 
 BACKENDS = ("builtin", "tensorrtllm")
 
@@ -23,7 +23,7 @@ class BackendUnavailable(RuntimeError):
 
 def create_executor(backend: str, model_path: str, config: ExecutorConfig) -> Any:
     if backend == "builtin":
-        from inflight.executor.executor import Executor
+        from inflight.hosts.executor import Executor
 
         return Executor(model_path, executor_config=config)
     if backend == "tensorrtllm":

@@ -1,14 +1,15 @@
 """The device side of a step: owns the model, the paged KV cache tensors and the sampler.
 
-A step is prepare inputs → run model → sample (`Worker.execute`, or `launch` + `result()`):
-- `prepare_inputs` turns the scheduler's rows into a `StepInput` with the step's one host →
-  device transfer, staged in a CUDA graph's static buffers or as eager metadata
-  (`inflight.step_inputs`);
+One way in: `launch(StepOrder)`, on rank 0 and on the tensor-parallel ranks that follow it
+(`inflight.runner.ranks`). A step is prepare inputs → run model → sample:
+- `prepare_inputs` turns the order's plan into a `StepInput` with the step's one host → device
+  transfer, staged in a CUDA graph's static buffers or as eager metadata
+  (`inflight.runner.step_inputs`);
 - `run_model` replays the bucket's graph, or runs the forward pass and the LM head over the
   sampled rows eagerly;
-- `sample` applies logits hooks and samples on the device, then queues the copy of the
-  sampled ids to the host. `launch` stops there (no sync), so the engine can queue the next
-  step before it waits (`DeviceSample.result()`: the step's one host wait).
+- `sample` applies logits hooks and samples on the device, then queues the copy of the sampled
+  ids to the host. `launch` returns there (no sync), so the engine can queue the next step
+  before it waits (`DeviceSample.result()`: the step's one host wait).
 
 Overlapped steps: a sequence's last token may still be on the device (the engine appended a
 placeholder `-(1 + i)` for "sampled row i of the previous step"). Such tokens are copied on
@@ -16,14 +17,14 @@ the device from `sampled_ids`, where every step leaves its sampled ids.
 
 Start-up on CUDA: load the weights, reserve the backend's buffers and the graphs' static
 inputs, run one warm-up step at the largest batch against a throw-away one-block cache, size
-the KV cache from what is free after it (`inflight.kv_cache_sizing`), then capture the decode
-graphs, which need the real cache's addresses.
+the KV cache from what is free after it (`inflight.runner.kv_cache_sizing`), then capture the
+decode graphs, which need the real cache's addresses.
 
-Tensor parallelism (`tensor_parallel_size` > 1): this worker is rank 0 and starts the other
-ranks (`inflight.distributed.launch`). A step is reduced to a plain `StepPlan` on the host,
-sent to the other ranks, and every rank builds the same inputs from it and runs the same
-model step (its shards, the collectives inside); rank 0 alone samples, and with overlapped
-steps broadcasts the sampled ids, which every rank's next step may read on its device.
+Tensor parallelism (`tensor_parallel_size` > 1): `inflight.runner.ranks.start_worker` starts
+the other ranks and hands rank 0's worker their handle (`ranks`). Rank 0 sends each step's
+plan to them, and every rank builds the same inputs from it and runs the same model step (its
+shards, the collectives inside); rank 0 alone samples, and with overlapped steps broadcasts the
+sampled ids, which every rank's next step may read on its device.
 """
 
 from __future__ import annotations
@@ -33,59 +34,46 @@ from typing import Mapping
 
 import torch
 
-from inflight.core.outputs import SchedulerOutput
-from inflight.cuda_graph import CudaGraphRunner
-from inflight.distributed.group import TensorParallel
-from inflight.distributed.launch import rank_device, start_ranks
-from inflight.executor.config import ExecutorConfig
+from inflight.api.config import ExecutorConfig
+from inflight.distributed.group import TensorParallel, rank_device
 from inflight.fatal_errors import EngineFatalError
-from inflight.kv_cache_sizing import num_kv_blocks, peak_step_bytes, warm_up_batch
-from inflight.mixed_graph import mixed_token_buckets
 from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
-from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
-from inflight.model.sharding import check_divisible, shard_config
-from inflight.platform import (apply_cpu_threads, default_max_num_tokens, overlaps_steps, resolve_device,
-                               resolve_dtype, to_device, uses_cuda_graphs)
-from inflight.precompile import precompile
-from inflight.sampling.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow, apply_logits_hooks
-from inflight.step_inputs import ContextSpan, LogitsHook, StepInput, inputs_from_batch, inputs_from_plan
-from inflight.step_plan import StepPlan
+from inflight.model.sharding import shard_config
+from inflight.platform import (
+    apply_cpu_threads,
+    default_max_num_tokens,
+    overlaps_steps,
+    resolve_device,
+    resolve_dtype,
+    to_device,
+    uses_cuda_graphs,
+)
+from inflight.runner.cuda_graph import CudaGraphRunner
+from inflight.runner.kv_cache_sizing import num_kv_blocks, peak_step_bytes, warm_up_batch
+from inflight.runner.mixed_graph import mixed_token_buckets
+from inflight.runner.precompile import precompile
+from inflight.runner.step_inputs import StepInput, StepOrder, prepare_inputs
+from inflight.sampling.sampler import DeviceSample, Sampler, apply_logits_hooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ContextSpan", "LogitsHook", "StepInput", "Worker"]  # the step's types, where they were
-
 
 class Worker:
-    """Runs the model over one `SchedulerOutput` and samples the next tokens.
+    """Runs the model over one `StepOrder` and samples the next tokens.
 
     `weights` (HF name -> tensor, e.g. a random model built on the GPU for a benchmark)
-    replaces the checkpoint files; entries are removed as they are loaded.
-    With `config.tensor_parallel_size` > 1 and no `tp`, this is rank 0 and starts the other
-    ranks (`close` stops them); they build their workers with their `tp`.
+    replaces the checkpoint files; entries are removed as they are loaded. `tp`: this rank's
+    group (tensor parallelism; `inflight.runner.ranks.start_worker` builds every rank's). On
+    rank 0 `ranks` is the handle on the other ranks, set once they all follow (`close` stops
+    them); until then, and on the other ranks, it is None and steps run here alone.
     """
 
     def __init__(self, model_dir: str, config: ExecutorConfig,
                  weights: Mapping[str, torch.Tensor] | None = None, tp: TensorParallel | None = None):
-        ranks = None
-        if tp is None and config.tensor_parallel_size > 1:
-            if weights is not None:
-                raise ValueError("weights handed over in memory need tensor_parallel_size 1; "
-                                 "write them to a folder for tensor parallelism")
-            check_divisible(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
-            tp, ranks = start_ranks(model_dir, config)
         self.tp = tp or TensorParallel.single()
-        # Start-up steps (warm-up, precompile) run on every rank at once, each its own: rank 0
-        # sends steps only once every rank is built and following.
         self.ranks = None
-        try:
-            self._build(model_dir, config, weights)
-        except BaseException:
-            if ranks is not None:
-                ranks.kill()
-            raise
-        self.ranks = ranks
+        self._build(model_dir, config, weights)
 
     def _build(self, model_dir: str, config: ExecutorConfig,
                weights: Mapping[str, torch.Tensor] | None) -> None:
@@ -157,81 +145,32 @@ class Worker:
 
     # ----- the step ----------------------------------------------------------------------------
 
-    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow],
-                hooks: list[LogitsHook | None] | None = None,
-                request_ids: list[int] | None = None,
-                context_logits: list[ContextSpan] | None = None,
-                generation_logits: list[int] | None = None) -> SamplerOutput:
-        """Compute the scheduled tokens and sample one token per `is_sampled` row.
-
-        `rows` (and `hooks`, `request_ids`) list the sampled sequences in batch order. The
-        output also carries the raw logits of the `generation_logits` sampled rows and of the
-        `context_logits` spans' tokens (see `SamplerOutput`); without them, nothing is
-        computed, copied or even looked at beyond the sampled rows' tokens.
-        """
-        return self.launch(batch, rows, hooks, request_ids, context_logits, generation_logits).result()
-
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, rows: list[SamplingRow],
-               hooks: list[LogitsHook | None] | None = None,
-               request_ids: list[int] | None = None,
-               context_logits: list[ContextSpan] | None = None,
-               generation_logits: list[int] | None = None) -> DeviceSample:
-        """`execute` without waiting for the tokens: queues the step and returns its sample."""
-        if self.ranks is None:  # one rank (or start-up, when every rank runs its own steps)
-            return self._run(self.prepare_inputs(batch, rows, hooks, request_ids, context_logits,
-                                                 generation_logits))
-        if context_logits:
-            raise ValueError("context logits are not available with tensor_parallel_size > 1")
-        plan = self._plan(batch, rows)
-        step = self.inputs_from_plan(plan, rows, hooks, request_ids, generation_logits)  # a bad
-        try:  # step fails here, before the other ranks are told to run it
-            self.ranks.send_step(plan)
-        except Exception as exc:  # a rank is gone: no step can run any more
-            raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
-        return self._run(step)
-
-    @torch.inference_mode()
-    def run_plan(self, plan: StepPlan, rows: list[SamplingRow] | None = None) -> DeviceSample | None:
-        """prepare inputs -> run model -> sample, from a step's plain plan. `rows` None: a
-        tensor-parallel rank other than 0 (computes with rank 0, samples nothing)."""
-        return self._run(self.inputs_from_plan(plan, rows))
-
-    def _run(self, step: StepInput) -> DeviceSample | None:
-        logits, prompt_logits = self.forward(step)
+    def launch(self, order: StepOrder) -> DeviceSample | None:
+        """Queues the step and returns its sample (its tokens still on the device until
+        `result()`); None on a tensor-parallel rank other than 0, which samples nothing."""
+        step = self.prepare_inputs(order)  # a bad step fails here, before the other ranks run it
+        if self.ranks is not None:
+            if order.context_logits:
+                raise ValueError("context logits are not available with tensor_parallel_size > 1")
+            try:
+                self.ranks.send_step(order.plan)
+            except Exception as exc:  # a rank is gone: no step can run any more
+                raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
+        logits, prompt_logits = self.run_model(step)
         if step.sampling_rows is None:
             self._share_sampled_ids(step.num_sampled)
             return None
-        return self.sample_on_device(logits, step, prompt_logits)
+        return self.sample(logits, step, prompt_logits)
 
-    def prepare_inputs(self, batch: SchedulerOutput, rows: list[SamplingRow],
-                       hooks: list[LogitsHook | None] | None = None,
-                       request_ids: list[int] | None = None,
-                       context_logits: list[ContextSpan] | None = None,
-                       generation_logits: list[int] | None = None) -> StepInput:
+    def prepare_inputs(self, order: StepOrder) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
-        return inputs_from_batch(self, batch, rows, hooks, request_ids, context_logits, generation_logits)
+        return prepare_inputs(self, order)
 
-    def _plan(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepPlan:
-        plan = StepPlan.from_batch(batch, self.block_size)
-        if plan.num_sampled != len(rows):
-            raise ValueError(f"{len(rows)} sampling rows for {plan.num_sampled} sampled sequences")
-        return plan
-
-    def inputs_from_plan(self, plan: StepPlan, rows: list[SamplingRow] | None,
-                         hooks: list[LogitsHook | None] | None = None,
-                         request_ids: list[int] | None = None,
-                         generation_logits: list[int] | None = None) -> StepInput:
-        """The step's device inputs from its plan: a staged CUDA graph step, or the metadata."""
-        return inputs_from_plan(self, plan, rows, hooks, request_ids, generation_logits)
-
-    def run_model(self, step: StepInput) -> torch.Tensor:
-        """The forward pass, then the LM head over the sampled rows: logits [S, vocab] float32."""
-        return self.forward(step)[0]
-
-    def forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`run_model`, plus the LM head over `step.context_indices` when a request asked for
-        its prompt's logits: ([S, vocab], [C, vocab] or None), float32."""
+    def run_model(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass, then the LM head over the sampled rows, and over
+        `step.context_indices` when a request asked for its prompt's logits: ([S, vocab],
+        [C, vocab] or None), float32."""
         if step.graph_step is not None:
             return self.graph_runner.replay(step.graph_step), None
         meta = step.metadata
@@ -262,12 +201,8 @@ class Worker:
             host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
         return host
 
-    def sample(self, logits: torch.Tensor, step: StepInput) -> SamplerOutput:
-        """Logits hooks, then one token per sampled row (the step's one host wait)."""
-        return self.sample_on_device(logits, step).result()
-
-    def sample_on_device(self, logits: torch.Tensor, step: StepInput,
-                         prompt_logits: torch.Tensor | None = None) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, step: StepInput,
+               prompt_logits: torch.Tensor | None = None) -> DeviceSample:
         """Logits hooks, then one token per sampled row, left on the device (its copy to the
         host queued, with the logits requests asked for); `sampled_ids` gets them for the
         next step."""
@@ -346,8 +281,10 @@ class Worker:
                                             self.device)
         self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:
-            # Every rank runs its warm-up at once (no step message); rank 0 alone samples.
-            sample = self.run_plan(self._plan(batch, rows), rows if self.tp.is_leader else None)
+            # Every rank runs its warm-up at once (no step message: `ranks` is not set yet);
+            # rank 0 alone samples.
+            order = StepOrder.from_batch(batch, self.block_size, rows)
+            sample = self.launch(order if self.tp.is_leader else StepOrder(order.plan))
             if sample is not None:
                 sample.result()
         finally:

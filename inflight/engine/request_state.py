@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from inflight.api.types import FinishReason, Request, Response, Result
 from inflight.core.sequence import Sequence
-from inflight.executor.types import FinishReason, Request, Response, Result
-from inflight.request_outputs import RequestOutputs
+from inflight.engine.request_outputs import RequestOutputs
 from inflight.sampling.sampler import SamplingRow
 
 PLACEHOLDER_BASE = -1  # placeholder for sampled row i: PLACEHOLDER_BASE - i (the worker's contract)
@@ -68,7 +68,7 @@ class RequestState:
         """Whether finishing this sequence ends its request."""
         return self.group is None or self.group.num_open <= 1
 
-    is_beam = False  # see inflight.beam_state.BeamRequestState
+    is_beam = False  # see inflight.engine.beam_state.BeamRequestState
 
     @property
     def sampling(self):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inflight.api.types import FinishReason, Response, Result
+from inflight.core.beam_search import BeamRow, BeamSearch, Candidates, Hypothesis
 from inflight.core.block_manager import BlockManager
 from inflight.core.sequence import Sequence, SequenceStatus
-from inflight.executor.types import FinishReason, Response, Result
-from inflight.request_state import RequestState
-from inflight.core.beam_search import BeamRow, BeamSearch, Candidates, Hypothesis
+from inflight.engine.request_state import RequestState
 from inflight.sampling.sampler import SamplingRow
 
 

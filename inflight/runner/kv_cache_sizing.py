@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
+from inflight.api.config import ExecutorConfig
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
-from inflight.executor.config import ExecutorConfig
-from inflight.model.attention import cdiv
+from inflight.intmath import cdiv
 from inflight.model.config import ModelConfig
 from inflight.platform import cuda_memory_for_kv
 from inflight.sampling.sampler import SamplingRow

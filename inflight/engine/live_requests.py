@@ -8,10 +8,10 @@ such a request is live.
 
 from __future__ import annotations
 
+from inflight.api.types import FinishReason, Response
 from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
-from inflight.executor.types import FinishReason, Response
-from inflight.request_state import RequestGroup, RequestState
+from inflight.engine.request_state import RequestGroup, RequestState
 
 
 class LiveRequests:

@@ -1,6 +1,7 @@
 """Supervising child processes: signals handled in one place, children that cannot outlive the
 supervisor, and a stop that leaves nothing behind. Used by tools/launch_triton_server.py,
-tools/serve.py and the OpenAI frontend's workers (openai_frontend.workers); no torch.
+tools/serve.py, the OpenAI frontend's workers (openai_frontend.workers) and the engine process
+(`exit_with_parent`); no torch.
 
 A child is started in its own session (so a terminal's Ctrl-C reaches only the supervisor, which
 decides the order of shutdown) with `preexec_fn=die_with_parent()`. The supervisor installs
@@ -40,23 +41,39 @@ class StopSignals:
         (self.hurry if self.stop.is_set() else self.stop).set()
 
 
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+def _tie_to(parent_pid: int, prctl) -> None:
+    """Have the kernel SIGKILL this process when its parent's starting thread ends, and exit
+    now if `parent_pid` is no longer its parent (the parent died before this took effect)."""
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def die_with_parent():
     """A preexec_fn that has the kernel SIGKILL the child when the thread that started it ends
     (PR_SET_PDEATHSIG), so no child outlives its supervisor, even one killed with SIGKILL.
     Start children from the main thread. Linux only; elsewhere None. libc is looked up here,
     before the fork: the forked child must not import."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _libc_prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
+    return lambda: _tie_to(parent, prctl)
 
-    def preexec():
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
 
-    return preexec
+def exit_with_parent(parent_pid: int) -> None:
+    """`die_with_parent` for a child that ties itself once it runs (one started by a program
+    that does not pass a preexec_fn, e.g. the engine process). Off Linux only the check that
+    the parent is still there applies."""
+    _tie_to(parent_pid, _libc_prctl())
 
 
 def watch(children: list[subprocess.Popen], stop: threading.Event) -> subprocess.Popen | None:

@@ -29,7 +29,8 @@ import torch
 
 from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
-from inflight.model.attention import cdiv
+from inflight.intmath import cdiv
+from inflight.runner.step_inputs import StepOrder
 from inflight.sampling.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def precompile(worker) -> int:
                                block_table=[0] * cdiv(start_pos + num_new, worker.block_size))
                 scheduled.append(ScheduledSequence(seq, num_new))
                 rows.append(_sampling_row(ids, sampled=i % 2 == 1, device=worker.device))
-            worker.execute(SchedulerOutput(scheduled), rows)
+            worker.launch(StepOrder.from_batch(SchedulerOutput(scheduled), worker.block_size, rows)).result()
     finally:
         worker.graph_runner = runner
     if worker.device.type == "cuda":

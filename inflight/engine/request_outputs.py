@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inflight.api.types import OutputConfig, RequestPerfMetrics, Result
 from inflight.core.sequence import Sequence
-from inflight.executor.types import OutputConfig, RequestPerfMetrics, Result
 
 
 @dataclass(eq=False)

@@ -12,14 +12,14 @@ from typing import Callable
 
 import torch
 
-from inflight.beam_state import BeamRequestState
+from inflight.api.config import ExecutorConfig
+from inflight.api.features import GUIDED_DECODING_OFF
+from inflight.api.types import QueueFullError, Request, RequestError
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.features import GUIDED_DECODING_OFF
-from inflight.executor.types import QueueFullError, Request, RequestError
-from inflight.request_outputs import RequestOutputs
-from inflight.request_state import RequestGroup, RequestState
+from inflight.engine.beam_state import BeamRequestState
+from inflight.engine.request_outputs import RequestOutputs
+from inflight.engine.request_state import RequestGroup, RequestState
 
 
 class RequestIntake:

@@ -8,9 +8,12 @@ names the field and the rule, before it reaches the engine.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from ensemble.errors import check
 
 
 class RequestError(ValueError):
@@ -21,9 +24,7 @@ class QueueFullError(RequestError):
     """The executor queue holds `max_queue_size` requests already."""
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise RequestError(message)
+_check = functools.partial(check, error=RequestError)
 
 
 class FinishReason(enum.Enum):
@@ -135,7 +136,7 @@ class OutputConfig:
     """What a response carries besides the tokens (TensorRT-LLM's `executor.OutputConfig`).
 
     Whether the engine can produce each part is the serving layer's question
-    (`inflight.executor.features`); the config itself only records the request.
+    (`inflight.api.features`); the config itself only records the request.
     """
 
     return_log_probs: bool = False
@@ -195,15 +196,15 @@ class Request:
     lora_config: LoraConfig | None = None
     guided_decoding_params: GuidedDecodingParams | None = None
     client_id: int | None = None
-    # Offline-API extension points (see inflight.runtime); not part of TensorRT-LLM's Request.
+    # Offline-API extension points (see inflight.hosts.runtime); not part of TensorRT-LLM's Request.
     logits_processor: Any | None = None
     stopping_criteria: Any | None = None
 
     def __post_init__(self) -> None:
         self.input_token_ids = [int(t) for t in self.input_token_ids]
         _check(len(self.input_token_ids) > 0, "input_token_ids must not be empty")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
-               f"max_tokens must be a positive integer, got {self.max_tokens}")
+        _check(isinstance(self.max_tokens, int), f"max_tokens must be an integer, got {self.max_tokens!r}")
+        _require("max_tokens", self.max_tokens, self.max_tokens > 0, "must be > 0")
         _check(all(t >= 0 for t in self.input_token_ids), "input_token_ids must be >= 0")
         for name in ("bad_words", "stop_words"):
             words = getattr(self, name)

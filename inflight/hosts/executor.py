@@ -13,10 +13,10 @@ import logging
 import threading
 from typing import Iterable
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig, ModelType
-from inflight.executor.stats import IterationStats
-from inflight.executor.types import Request, RequestError, Response
+from inflight.api.config import ExecutorConfig, ModelType
+from inflight.api.stats import IterationStats
+from inflight.api.types import Request, RequestError, Response
+from inflight.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

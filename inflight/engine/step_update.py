@@ -11,17 +11,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from inflight.beam_state import BeamRequestState
+from inflight.api.types import FinishReason, Response
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import SchedulerOutput
-from inflight.executor.types import FinishReason, Response
+from inflight.engine.beam_state import BeamRequestState
+from inflight.engine.live_requests import LiveRequests
+from inflight.engine.request_state import RequestState
 from inflight.fatal_errors import as_fatal, breaks_device
-from inflight.live_requests import LiveRequests
-from inflight.request_state import RequestState
 from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
 
-logger = logging.getLogger("inflight.engine")  # a step's failures are logged as the engine's
+logger = logging.getLogger("inflight.engine.llm_engine")  # a step's failures are logged as the engine's
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StepUpdate:
         """Reads the step's tokens (waiting for its copy to the host) and turns them into
         responses. Raises `EngineFatalError` if the step broke the device."""
         try:
-            output = flight.sample.result() if isinstance(flight.sample, DeviceSample) else flight.sample
+            output = flight.sample.result()
         except Exception as exc:  # the device step failed after it was queued
             if breaks_device(exc):
                 raise as_fatal(exc) from exc

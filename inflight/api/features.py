@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.executor.types import Request
+from inflight.api.types import Request
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class EngineFeatures:
     lora: bool = False
 
 
-# What `inflight.engine` has today (max_beam_width comes from the ExecutorConfig).
+# What `inflight.engine.llm_engine` has today (max_beam_width comes from the ExecutorConfig).
 BUILTIN_FEATURES = EngineFeatures(beam_search=True, multiple_sequences=True, context_logits=True, generation_logits=True,
                                   perf_metrics=True)
 # TensorRT-LLM does everything itself (and checks it against its own build).

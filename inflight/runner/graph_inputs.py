@@ -32,12 +32,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from inflight.intmath import cdiv
+
 ROW_ALIGN = 16  # field rows padded to this many entries: every field starts 64-byte aligned
 _NUM_I64_FIELDS = 5  # decode: input_ids, positions, slot_mapping, pending_dst, pending_src
 
 
 def align(n: int) -> int:
-    return -(-n // ROW_ALIGN) * ROW_ALIGN
+    return cdiv(n, ROW_ALIGN) * ROW_ALIGN
 
 
 def _view(buffer, start: int, end: int, size: int):

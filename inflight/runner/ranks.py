@@ -1,7 +1,9 @@
 """Starting and stopping the engine's tensor-parallel ranks; the other ranks' step loop.
 
-The process that builds the engine (the Triton model instance, or its engine process) is
-rank 0: it holds the scheduler and samples. `start_ranks` spawns ranks 1..N-1 with
+`start_worker` builds the engine's worker: at tensor_parallel_size 1 a plain `Worker`; above,
+rank 0's, after starting the other ranks, with their handle (`Worker.ranks`). The process that
+builds the engine (the Triton model instance, or its engine process) is rank 0: it holds the
+scheduler and samples. `start_ranks` spawns ranks 1..N-1 with
 torch.multiprocessing (spawn: no CUDA state is inherited), and every rank meets at a
 rendezvous on a free loopback port. Each other rank builds its own `Worker` (its shard of the
 weights, its KV heads, its CUDA graphs) and then loops in `follow`: receive rank 0's step
@@ -23,41 +25,29 @@ import threading
 import time
 from multiprocessing import connection as mp_connection
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.multiprocessing as mp
 
-from ensemble.errors import ConfigError
-from inflight.distributed.group import MSG_STEP, MSG_STOP, TensorParallel, free_loopback_port
-from inflight.executor.config import ExecutorConfig
-from inflight.step_plan import StepPlan
+from inflight.api.config import ExecutorConfig
+from inflight.distributed.group import (
+    MSG_STEP,
+    MSG_STOP,
+    TensorParallel,
+    check_devices,
+    free_loopback_port,
+    rank_device,
+)
+from inflight.distributed.step_plan import StepPlan
+from inflight.model.config import ModelConfig
+from inflight.model.sharding import check_divisible
+from inflight.runner.step_inputs import StepOrder
+from inflight.runner.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 30
-
-
-def rank_device(config: ExecutorConfig, rank: int) -> torch.device:
-    """The device rank `rank` runs on: the CPU (gloo) or its GPU of `gpu_device_ids`."""
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", config.parallel_config.rank_device_ids()[rank])
-
-
-def check_devices(config: ExecutorConfig) -> None:
-    """ConfigError when the GPUs the ranks are to run on are not there."""
-    device = rank_device(config, 0)
-    if device.type != "cuda":
-        return
-    ids = config.parallel_config.rank_device_ids()
-    visible = torch.cuda.device_count()
-    missing = [i for i in ids if i >= visible]
-    if missing:
-        raise ConfigError(
-            f"tensor_parallel_size {config.tensor_parallel_size} runs on GPUs "
-            f"{','.join(map(str, ids))} (gpu_device_ids) but this process sees {visible} GPU(s)"
-            f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-            f"GPU(s) {','.join(map(str, missing))} are not there")
 
 
 def _python_executable() -> str:
@@ -139,6 +129,28 @@ class Ranks:
                     [p.exitcode for p in self.processes])
 
 
+def start_worker(model_dir: str, config: ExecutorConfig,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> Worker:
+    """The engine's worker; at tensor_parallel_size > 1 rank 0's, the other ranks started and
+    following (`weights` in memory need one rank: the others could not load them)."""
+    if config.tensor_parallel_size == 1:
+        return Worker(model_dir, config, weights)
+    if weights is not None:
+        raise ValueError("weights handed over in memory need tensor_parallel_size 1; "
+                         "write them to a folder for tensor parallelism")
+    check_divisible(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
+    tp, ranks = start_ranks(model_dir, config)
+    try:
+        # Start-up steps (warm-up, precompile) run on every rank at once, each its own: rank 0
+        # sends steps only once every rank is built and following.
+        worker = Worker(model_dir, config, tp=tp)
+    except BaseException:
+        ranks.kill()
+        raise
+    worker.ranks = ranks
+    return worker
+
+
 def start_ranks(model_dir: str, config: ExecutorConfig) -> tuple[TensorParallel, Ranks]:
     """Spawns ranks 1..N-1 and joins the group as rank 0 (blocks until every rank has)."""
     size = config.tensor_parallel_size
@@ -163,8 +175,6 @@ def start_ranks(model_dir: str, config: ExecutorConfig) -> tuple[TensorParallel,
 
 def _rank_main(rank: int, size: int, port: int, model_dir: str, config: ExecutorConfig) -> None:
     """Entry point of a spawned rank: join, build the worker, follow rank 0 until stopped."""
-    from inflight.worker import Worker  # after the spawn: the parent's modules are not ours
-
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     # A hang must be diagnosable: a fatal signal (an NCCL abort) prints this rank's Python
     # stack, and so does SIGUSR1 (a watchdog's request, e.g. tools/gpu_tp.py's), without stopping it.
@@ -198,4 +208,4 @@ def follow(worker) -> None:
             return
         if kind != MSG_STEP:
             raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
-        worker.run_plan(StepPlan.unpack(payload))
+        worker.launch(StepOrder(StepPlan.unpack(payload)))

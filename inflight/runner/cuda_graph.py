@@ -1,6 +1,6 @@
 """CUDA graphs for decode and mixed steps: captured at start-up per bucket, replayed per step.
 
-`CudaGraphRunner` owns the decode graphs (below), the mixed-step graphs (`inflight.mixed_graph`,
+`CudaGraphRunner` owns the decode graphs (below), the mixed-step graphs (`inflight.runner.mixed_graph`,
 one per token bucket, optional), their one memory pool and the logits buffer they share.
 
 A decode step (every row one new token, every row sampled) of B rows runs in the graph of the
@@ -37,9 +37,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from inflight.graph_inputs import StaticLayout, Staging
-from inflight.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
-from inflight.model.attention import DecodeBuffers, cdiv
+from inflight.intmath import cdiv
+from inflight.model.attention import DecodeBuffers
+from inflight.runner.graph_inputs import Staging, StaticLayout
+from inflight.runner.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
 
 logger = logging.getLogger(__name__)
 

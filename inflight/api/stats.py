@@ -55,7 +55,7 @@ class IterationStats:
 
 
 def iteration_stats(engine, batch, latency_ms: float) -> IterationStats:
-    """An `inflight.engine.LLMEngine`'s stats after running `batch` (a `SchedulerOutput`)."""
+    """An `inflight.engine.llm_engine.LLMEngine`'s stats after running `batch` (a `SchedulerOutput`)."""
     bm = engine.block_manager
     config = engine.config
     allocated = bm.num_allocated_blocks + bm.num_reused_blocks

@@ -29,8 +29,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from inflight.graph_inputs import MixedLayout, Staging
+from inflight.intmath import cdiv
 from inflight.model.attention import MixedBuffers
+from inflight.runner.graph_inputs import MixedLayout, Staging
 
 # Longer steps are compute-bound: a graph saves nothing there and its pool costs memory.
 MAX_MIXED_GRAPH_TOKENS = 2048
@@ -180,7 +181,7 @@ class MixedGraphs:
         seq_lens = starts + counts
         v.seq_lens[:num_rows] = seq_lens
         v.seq_lens[num_rows:bucket.num_rows] = 0
-        staging.write_tables([table for _, _, _, table in rows], (-(-seq_lens // bs)).tolist())
+        staging.write_tables([table for _, _, _, table in rows], cdiv(seq_lens, bs).tolist())
         ids, pos, slots = v.tokens[:, :num_tokens]
         ids[:] = [token for _, tokens, _, _ in rows for token in tokens]
         row_of = np.repeat(np.arange(num_rows), counts)

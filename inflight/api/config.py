@@ -10,11 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ensemble.errors import ConfigError
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+from ensemble.errors import check as _check
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -92,7 +88,7 @@ class ExtendedRuntimePerfKnobConfig:
     `cuda_graph_cache_size` is how many buckets are captured: 0 means all of them.
     `cuda_graph_mixed_steps` (ours) also captures mixed steps (prompts computed beside decode
     rows, as staggered arrivals make them), one graph per token bucket up to 2048 tokens
-    (`inflight.mixed_graph`); false runs them eagerly. Only with `cuda_graph_mode` on.
+    (`inflight.runner.mixed_graph`); false runs them eagerly. Only with `cuda_graph_mode` on.
     `multi_block_mode` lets decode attention split a long context over several thread blocks
     (split-K) in the Triton backend. `enable_context_fmha_fp32_acc` is accepted for
     compatibility: our attention always accumulates in fp32.

@@ -19,10 +19,7 @@ import numpy as np
 import torch
 
 from inflight.core.outputs import SchedulerOutput
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from inflight.intmath import cdiv
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ class StepPlan:
 
     def pack(self) -> torch.Tensor:
         num_new = [len(t) for t in self.tokens]
-        table_lens = [_cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
+        table_lens = [cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
         b, t, k = self.num_rows, sum(num_new), sum(table_lens)
         out = np.empty(4 + 4 * b + t + k, dtype=np.int64)
         out[:4] = (b, t, k, self.block_size)

@@ -1,7 +1,7 @@
 """The in-flight batching engine: one `step()` is schedule → execute → update.
 
 `LLMEngine` is single-threaded on purpose; `inflight.executor.Executor` runs it in a thread and
-`inflight.runtime.ModelRunner` drives it directly for offline generation.
+`inflight.hosts.runtime.ModelRunner` drives it directly for offline generation.
 
 Overlapped steps (`enable_overlap_scheduler`, on with CUDA): `step()` schedules step N and
 queues it on the GPU before it reads step N-1's tokens, so the host's scheduling and response
@@ -37,20 +37,22 @@ from typing import Callable, Mapping
 
 import torch
 
+from inflight.api.config import ExecutorConfig
+from inflight.api.stats import IterationStats, iteration_stats
+from inflight.api.types import FinishReason, Request, Response
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import SchedulerOutput
 from inflight.core.scheduler import Scheduler
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.stats import IterationStats, iteration_stats
-from inflight.executor.types import FinishReason, Request, Response
+from inflight.engine.live_requests import LiveRequests
+from inflight.engine.request_intake import RequestIntake
+from inflight.engine.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
+from inflight.engine.step_update import InFlight, StepUpdate
 from inflight.fatal_errors import as_fatal, breaks_device
-from inflight.live_requests import LiveRequests
 from inflight.platform import default_max_num_tokens
-from inflight.request_intake import RequestIntake
-from inflight.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
+from inflight.runner.ranks import start_worker
+from inflight.runner.step_inputs import StepOrder
+from inflight.runner.worker import Worker
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
-from inflight.step_update import InFlight, StepUpdate
-from inflight.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class LLMEngine:
         """An engine over a Hugging Face folder, with the real `Worker`. `weights`: in-memory HF
         tensors instead of the folder's files (benchmarks; see `Worker`)."""
         config = config or ExecutorConfig()
-        return cls(config, Worker(str(model_dir), config, weights))
+        return cls(config, start_worker(str(model_dir), config, weights))
 
     def close(self) -> None:
         """Releases what the worker holds outside this process (tensor-parallel ranks)."""
@@ -206,18 +208,18 @@ class LLMEngine:
         rows = [st.sampling_row for st in states]
         if live.num_beam_requests:  # a beam's row depends on which beam it is
             rows = self._with_beam_rows(batch, states, rows)
+        extras = {}
         if live.num_host_token_requests:  # only such requests can have logits processors
-            args = (rows, [st.request.logits_processor for st in states], [st.request_id for st in states])
-        else:
-            args = (rows, None, None)
-        # Only a step with logits to keep passes them (stand-in workers need not know).
-        kwargs = {"context_logits": spans} if spans else {}
+            extras["hooks"] = [st.request.logits_processor for st in states]
+            extras["request_ids"] = [st.request_id for st in states]
+        if spans:
+            extras["context_logits"] = spans
         if live.num_generation_logit_requests:
             keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
             if keep:
-                kwargs["generation_logits"] = keep
-        return (self.worker.launch(batch, *args, **kwargs) if overlap
-                else self.worker.execute(batch, *args, **kwargs))
+                extras["generation_logits"] = keep
+        sample = self.worker.launch(StepOrder.from_batch(batch, self.block_manager.block_size, rows, **extras))
+        return sample if overlap else sample.result()
 
     def _advance(self, batch: SchedulerOutput, states: list[RequestState]) -> None:
         """The scheduler moves over the launched step; its sampled rows get their placeholders."""

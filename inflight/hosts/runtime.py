@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from inflight.engine import LLMEngine
-from inflight.executor.config import ExecutorConfig
-from inflight.executor.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.api.config import ExecutorConfig
+from inflight.api.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.engine.llm_engine import LLMEngine
 
 
 class StoppingCriteria:

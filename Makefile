@@ -17,7 +17,7 @@ BUILD_ARGS ?=
 # Extra tools/launch_triton_server.py flags, e.g. SERVE_ARGS="--exit_timeout 60"
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
-# tools/numerics_sweep.py flags, e.g. SWEEP_ARGS="--threads 2 --mkl-isa SSE4_2"
+# checks/numerics_sweep.py flags, e.g. SWEEP_ARGS="--threads 2 --mkl-isa SSE4_2"
 SWEEP_ARGS ?=
 
 .PHONY: setup model repository serve serve-triton test test-unit test-model test-e2e test-gpu \
@@ -74,7 +74,7 @@ NVIDIA_REPO ?=
 nvidia-clients: model
 	@test -n "$(NVIDIA_REPO)" || { echo "set NVIDIA_REPO=/path/to/tensorrtllm_backend"; exit 2; }
 	$(PY) -m pip install --quiet --no-deps --target .cache/nvidia-client-deps -r requirements-nvidia-clients.txt
-	$(PY) tools/nvidia_clients.py --nvidia-repo $(NVIDIA_REPO) --model $(MODEL)
+	$(PY) checks/nvidia_clients.py --nvidia-repo $(NVIDIA_REPO) --model $(MODEL)
 
 # On a CUDA machine.
 test-gpu: model
@@ -82,42 +82,42 @@ test-gpu: model
 
 # The model tier under threads 1/2/4 x ATen kernels default/avx2/avx512 (those this CPU has).
 test-numerics: model
-	$(PY) tools/numerics_sweep.py $(SWEEP_ARGS)
+	$(PY) checks/numerics_sweep.py $(SWEEP_ARGS)
 
 bench: model
-	$(PY) tools/bench_engine.py --model $(MODEL)
+	$(PY) bench/bench_engine.py --model $(MODEL)
 
 # The OpenAI frontend's overhead: the same load through it and straight to Triton, one run.
-# Streaming through Triton vs the engine in process (tools/bench_serving.py; perf_analyzer).
+# Streaming through Triton vs the engine in process (bench/bench_serving.py; perf_analyzer).
 # Extra flags: BENCH_SERVING_ARGS="--concurrency 8 --rounds 2"
 BENCH_SERVING_ARGS ?=
 bench-serving: model
-	$(PY) tools/bench_serving.py --model $(MODEL) $(BENCH_SERVING_ARGS)
+	$(PY) bench/bench_serving.py --model $(MODEL) $(BENCH_SERVING_ARGS)
 
-# CPU µs per streamed response in each serving process (tiny random model; tools/response_cost.py).
+# CPU µs per streamed response in each serving process (tiny random model; bench/response_cost.py).
 # Extra flags: RESPONSE_COST_ARGS="--concurrency 64 --duration-s 30 --profile tensorrt_llm"
 RESPONSE_COST_ARGS ?=
 response-cost: model
-	$(PY) tools/response_cost.py $(RESPONSE_COST_ARGS)
+	$(PY) bench/response_cost.py $(RESPONSE_COST_ARGS)
 
 # The preprocessing step's cost per request at concurrency 1: this checkout vs its model.py at a git
-# ref, main by default (tools/preprocessing_cost.py). E.g. PREPROCESSING_COST_ARGS="--ref HEAD~1"
+# ref, main by default (bench/preprocessing_cost.py). E.g. PREPROCESSING_COST_ARGS="--ref HEAD~1"
 preprocessing-cost: model
-	$(PY) tools/preprocessing_cost.py $(PREPROCESSING_COST_ARGS)
+	$(PY) bench/preprocessing_cost.py $(PREPROCESSING_COST_ARGS)
 
 bench-openai: model
-	$(PY) tools/bench_openai.py --model $(MODEL)
+	$(PY) bench/bench_openai.py --model $(MODEL)
 
 # Malformed requests next to good streams, cancellations, fault isolation, drain, and last the
 # crash-and-restart phase under the real launcher (RELIABILITY_ARGS=--skip-crashers leaves it out).
 RELIABILITY_ARGS ?=
 reliability: model
-	$(PY) tools/reliability.py --model $(MODEL) $(RELIABILITY_ARGS)
+	$(PY) checks/reliability.py --model $(MODEL) $(RELIABILITY_ARGS)
 
-# On a CUDA machine that has the model folder (the device machine runs tools/gpu_smoke.sh
+# On a CUDA machine that has the model folder (the device machine runs checks/gpu_smoke.sh
 # stage1 + stage2 instead; see that script).
 gpu-smoke: model
-	PYTHON=$(PY) bash tools/gpu_smoke.sh local $(MODEL)
+	PYTHON=$(PY) bash checks/gpu_smoke.sh local $(MODEL)
 
 clean:
 	rm -rf build .pytest_cache

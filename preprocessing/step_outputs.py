@@ -4,7 +4,7 @@ NVIDIA's preprocessing answers every output it declares, most of them defaults: 
 words (`[1, 2, 0]`), no embedding bias (`[1, 0]`), and the decoder inputs of encoder-decoder
 models (`[pad_id]`, `[1]`). Each output costs the python backend a round through shared memory
 and the ensemble a tensor to route, on every request's way to its first token: 7-10 µs each on
-the 2-core CPU (tools/preprocessing_cost.py), a small part of preprocessing's time.
+the 2-core CPU (bench/preprocessing_cost.py), a small part of preprocessing's time.
 
 Triton 2.51's ensemble scheduler (core r24.10, `EnsembleContext::ConsumeResponse`) records a
 mapped output that a step's response leaves out as "not provided", and the next step then runs

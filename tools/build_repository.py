@@ -17,14 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fill_template import fill, split_pairs  # noqa: E402
-
-from ensemble.io_contract import MODELS  # noqa: E402
-from ensemble.limits import DEFAULT_MAX_GUIDE_BYTES, DEFAULT_MAX_NUM_WORDS  # noqa: E402
-from inflight.serving.params import template_defaults  # noqa: E402
+from ensemble.io_contract import MODELS
+from ensemble.limits import DEFAULT_MAX_GUIDE_BYTES, DEFAULT_MAX_NUM_WORDS
+from inflight.serving.params import template_defaults
+from tools.fill_template import fill, split_pairs
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
 PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
@@ -37,7 +33,7 @@ DEFAULTS = {
     "max_queue_delay_microseconds": "0",
     "max_queue_size": "0",
     # Tokenizing is a first token's first stage; one instance queued requests for tens of
-    # milliseconds at concurrency 64 on an H100 host (tools/serving_trace.py). Instances are
+    # milliseconds at concurrency 64 on an H100 host (bench/serving_trace.py). Instances are
     # processes, so as many as the cores allow: 1 below 8 cores, 2 at 8, 4 from 16.
     "preprocessing_instance_count": str(max(1, min(4, (os.cpu_count() or 1) // 4))),
     "postprocessing_instance_count": "1",

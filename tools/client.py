@@ -15,8 +15,7 @@ import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), ".."))
-from ensemble.io_contract import ENSEMBLE  # noqa: E402
+from ensemble.io_contract import ENSEMBLE
 
 
 def build_inputs(args) -> dict:

@@ -38,7 +38,7 @@ before it was ever ready is a configuration problem: the launcher exits 1 at onc
 gets a new control secret. A stop signal during the wait before a restart exits 0 at once.
 
 Shared memory: at start the launcher removes the python backend's /dev/shm/inflight* files
-that servers that are gone left behind (inflight/recovery.py says which are safe to remove),
+that servers that are gone left behind (tools/recovery.py says which are safe to remove),
 and after its own server exits, the files under `--shm_prefix`.
 """
 
@@ -63,15 +63,11 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret
+from ensemble.supervisor import StopSignals, die_with_parent, terminate
+from tools import recovery
 # Re-exported: tools and tests call these through this module.
-from triton_probe import ServerError, health, local_host, wait_ready, watch_ready_server  # noqa: E402,F401
-
-from ensemble.control import SECRET_ENV_VAR, ControlAuth, new_secret  # noqa: E402
-from ensemble.supervisor import StopSignals, die_with_parent, terminate  # noqa: E402
-from inflight import recovery  # noqa: E402
+from tools.triton_probe import ServerError, health, local_host, wait_ready, watch_ready_server  # noqa: F401
 
 # API categories only an operator may use. Clients keep health, metadata, inference,
 # model-config (perf_analyzer and genai-perf read it) and statistics.

@@ -15,9 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ensemble.io_contract import (ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,  # noqa: E402
+from ensemble.io_contract import (ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,
                                   ENSEMBLE, MODELS, PREPROCESSING_TO_ENGINE,
                                   TensorSpec, text_input_route)
 

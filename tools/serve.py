@@ -25,12 +25,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ensemble.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch
+from tools import launch_triton_server
+
 TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-
-import launch_triton_server  # noqa: E402
-
-from ensemble.supervisor import StopSignals, die_with_parent, signal_all, stop_all, terminate, watch  # noqa: E402
 
 # Beyond the drain and Triton's own stop (--triton_exit_timeout_s): the drain request, slack.
 STOP_SLACK_S = launch_triton_server.DRAIN_SLACK_S

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from inflight.recovery import describe_exit, is_running, python_stubs
+from tools.recovery import describe_exit, is_running, python_stubs
 
 PROBE_TIMEOUT_S = 1.0
 

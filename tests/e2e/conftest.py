@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.server import running_server
+from tools.local_server import running_server
 
 
 @pytest.fixture(scope="session")

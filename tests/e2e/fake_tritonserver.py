@@ -18,9 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from ensemble.control import SECRET_ENV_VAR  # noqa: E402
+from ensemble.control import SECRET_ENV_VAR
 
 
 def flag(name: str, default: str = "") -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.e2e.server import collect
+from tools.local_server import collect
 from tests.e2e.test_nvidia_compat import PROMPT, stream_once, text_inputs
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.server import build_repository, collect, make_inputs
+from tools import build_repository
+from tools.local_server import collect, make_inputs
 
 pytestmark = pytest.mark.e2e
 

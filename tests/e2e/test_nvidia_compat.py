@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
-from tests.e2e.server import running_server
+from tools.local_server import running_server
 
 pytestmark = pytest.mark.e2e
 

@@ -16,10 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import REPO_ROOT, free_ports
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import serve  # noqa: E402
+from tools import serve
+from tools.local_server import free_ports
 
 pytestmark = pytest.mark.e2e
 

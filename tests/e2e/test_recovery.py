@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inflight.recovery import python_stubs
-from tests.e2e.server import REPO_ROOT, Server, free_ports
+from tests.conftest import REPO_ROOT
 from tests.e2e.test_shutdown import _cmdline, _eventually, _group, repository  # noqa: F401
+from tools.local_server import Server, free_ports
+from tools.recovery import python_stubs
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ensemble.io_contract import MODELS
-from tests.e2e.server import build_repository
+from tools import build_repository
 
 pytestmark = pytest.mark.e2e
 

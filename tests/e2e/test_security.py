@@ -28,7 +28,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from ensemble.io_contract import CANCEL_KEY_PREFIX
-from tests.e2e.server import collect, free_ports, launch_triton_server
+from tools import launch_triton_server
+from tools.local_server import collect, free_ports
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import REPO_ROOT, Server, build_repository, free_ports, launch_triton_server
+from tests.conftest import REPO_ROOT
+from tools import build_repository, launch_triton_server
+from tools.local_server import Server, free_ports
 
 pytestmark = pytest.mark.e2e
 

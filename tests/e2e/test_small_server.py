@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.server import running_server
+from tools.local_server import running_server
 
 pytestmark = pytest.mark.e2e
 

@@ -1,22 +1,17 @@
-"""A 30-second soak with perf_analyzer at concurrency 32 (the 10-minute one: tools/soak.py)."""
+"""A 30-second soak with perf_analyzer at concurrency 32 (the 10-minute one: checks/soak.py)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.e2e.server import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import soak  # noqa: E402
+from tools import soak_run
 
 pytestmark = pytest.mark.e2e
 
 
 def test_short_soak(server):
-    report = soak.run_soak(server.grpc_url, f"127.0.0.1:{server.metrics_port}", duration_s=30,
-                           concurrency=32, warmup_s=10, server_session=server.pid)
+    report = soak_run.run_soak(server.grpc_url, f"127.0.0.1:{server.metrics_port}", duration_s=30,
+                               concurrency=32, warmup_s=10, server_session=server.pid)
     print("\n".join(report.lines()))
     assert report.requests > 0
     assert report.errors == 0

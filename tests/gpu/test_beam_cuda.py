@@ -5,7 +5,7 @@ With overlap a beam group sits out the step launched before its re-ranking is re
 rows and blocks are known on the host only then); its decode steps may replay a CUDA graph, and
 its block copies are queued without a host sync. Beam order can only differ from HF's where two
 hypotheses' scores are within fp32 noise; the tiny model's logits are well separated.
-On the GPU machine: `bash tools/gpu_check.sh beam`.
+On the GPU machine: `bash checks/gpu_check.sh beam`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from inflight.api.config import ExecutorConfig
 from inflight.api.types import SamplingConfig
 from inflight.engine.llm_engine import LLMEngine
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, final, gen_request, output_tokens, run
 from tests.model.numerics import assert_greedy_tokens_match
 from tests.model.test_beam_search import HF_CASES, PROMPTS, TRT_EARLY_STOPPING, hf_beams

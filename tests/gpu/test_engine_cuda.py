@@ -1,14 +1,14 @@
 """The engine on CUDA in fp32 gives the CPU engine's greedy tokens (tiny random Llama, llama3 RoPE).
 
 CUDA and CPU kernels round differently; tokens may part only where the CPU run's top-2 margin is
-within fp32 noise (tests/model/numerics.py). bf16 and the SmolLM2 weights: tools/gpu_smoke.py.
+within fp32 noise (tests/model/numerics.py). bf16 and the SmolLM2 weights: checks/gpu_smoke.py.
 """
 
 from __future__ import annotations
 
 from inflight.api.config import ExecutorConfig
 from inflight.engine.llm_engine import LLMEngine
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, gen_request, output_tokens, run
 from tests.model.numerics import assert_greedy_tokens_match
 

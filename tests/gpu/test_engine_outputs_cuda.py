@@ -12,7 +12,7 @@ import torch
 from inflight.api.config import ExecutorConfig
 from inflight.api.types import OutputConfig, Request, SamplingConfig
 from inflight.engine.llm_engine import LLMEngine
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, final, output_tokens, run
 from tests.model.numerics import assert_logits_close
 

@@ -1,7 +1,7 @@
 """Guided decoding on CUDA: the token mask reaches the logits without a host sync, and guided
 output on the GPU engine is in its language (tiny random Llama, character vocabulary).
 
-Run on the device machine through `bash tools/gpu_guided.sh` (it brings xgrammar's wheels).
+Run on the device machine through `bash checks/gpu_guided.sh` (it brings xgrammar's wheels).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from inflight.api.types import GuidedDecodingParams
 from inflight.engine.llm_engine import LLMEngine
 from inflight.sampling.grammar import GrammarCompiler
 from inflight.sampling.sampler import Sampler, SamplingRow
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, gen_request, output_tokens, run
 from tests.model.guided_vocab import EOS, GUIDES, char_vocab, detokenize, guided_config
 from tests.model.test_guided_decoding import assert_in_language

@@ -2,7 +2,7 @@
 
 One knob sets the CPU threads for the whole tier: INFLIGHT_TEST_THREADS (default 1). It is applied
 to torch before the first test and exported as INFLIGHT_NUM_THREADS, which every `Worker` built
-here reads, so an engine cannot quietly run with another count. `tools/numerics_sweep.py` runs
+here reads, so an engine cannot quietly run with another count. `checks/numerics_sweep.py` runs
 the tier under several counts (and CPU kernel sets) through it. One thread is the default
 because the test machines share 2 cores with other jobs: with 2 OpenMP threads every parallel
 region waits at a barrier for a thread that may not be running (10-20x slower under load).
@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import shared_weights
 
 THREADS_ENV = "INFLIGHT_TEST_THREADS"

@@ -28,7 +28,7 @@ from inflight.api.types import (
 from inflight.core.beam_search import BeamRow
 from inflight.engine.llm_engine import LLMEngine
 from inflight.sampling.beam_search import beam_candidates
-from tests.model.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, make_engine, run
 from tests.model.fake_worker import EOS, FakeWorker
 from tests.model.tolerances import fp32_noise_bound

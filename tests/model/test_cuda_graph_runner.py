@@ -1,7 +1,7 @@
 """The CUDA-graph runner's static inputs (decode and mixed steps): staging layout, padding rows
 and tokens, tokens still on the device, the LM head into the shared logits buffer. Without
 CUDA the runner runs the captured body eagerly over the same buffers (Triton kernels under the interpreter), which is what the
-graph replays; with CUDA (tools/gpu_check.sh) the graphs are captured and replayed."""
+graph replays; with CUDA (checks/gpu_check.sh) the graphs are captured and replayed."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 from inflight.runner.cuda_graph import CudaGraphRunner, GraphStep, MixedStep, StaticLayout  # noqa: E402
-from tests.model.checkpoints import save_tiny_checkpoint  # noqa: E402
+from tools.checkpoints import save_tiny_checkpoint  # noqa: E402
 from tests.model.tolerances import logits_tolerance  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -87,7 +87,7 @@ def test_staged_decode_step_matches_the_eager_step(model):
     assert bucket.input_ids[:2].tolist() == next_tokens
 
 
-@pytest.mark.skipif(ON_CUDA, reason="a CPU engine (interpreted kernels); tools/gpu_parity.py runs it on CUDA")
+@pytest.mark.skipif(ON_CUDA, reason="a CPU engine (interpreted kernels); checks/gpu_parity.py runs it on CUDA")
 def test_engine_replays_decode_and_mixed_steps_through_the_runner(tmp_path_factory):
     """The worker's graph paths end to end, with overlap and staggered arrivals: decode steps
     replay decode buckets, a prompt beside decode rows replays a mixed bucket (a prompt too

@@ -16,7 +16,7 @@ import transformers
 from inflight.api.config import KvCacheConfig
 from inflight.api.types import FinishReason
 from inflight.hosts.runtime import ModelRunner
-from tests.model.checkpoints import TINY_KINDS, save_tiny_checkpoint
+from tools.checkpoints import TINY_KINDS, save_tiny_checkpoint
 from tests.model.engine_utils import final, gen_request, hf_greedy, make_engine, output_tokens, run
 from tests.model.numerics import assert_greedy_tokens_match
 

@@ -1,21 +1,16 @@
-"""tools/host_cost.py: its null worker runs real engine steps, and a run with nothing to measure
-says why instead of failing on an empty median."""
+"""tools/null_worker.py (what bench/host_cost.py times): its null worker runs real engine steps,
+and a run with nothing to measure says why instead of failing on an empty median."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tools import null_worker
 
 
 @pytest.fixture(scope="module")
 def host_cost():
-    spec = importlib.util.spec_from_file_location("host_cost", REPO_ROOT / "tools" / "host_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return null_worker
 
 
 def test_null_worker_measures_decode_steps(host_cost):

@@ -9,7 +9,7 @@ from inflight.model.attention import StepMetadata
 from inflight.model.attention.torch_ref import TorchPagedAttention
 from inflight.model.loader import _owned, load_model
 from inflight.model.rotary import RotaryEmbedding, apply_rotary, apply_rotary_signed
-from tests.model.checkpoints import tiny_hf_model
+from tools.checkpoints import tiny_hf_model
 from tests.model.numerics import reduction_noise
 
 

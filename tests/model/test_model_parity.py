@@ -24,7 +24,7 @@ from inflight.model.config import ModelConfig
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.rotary import compute_inv_freq
 from inflight.platform import resolve_dtype
-from tests.model.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
+from tools.checkpoints import LLAMA3_ROPE, TINY_COMMON, TINY_KINDS, tiny_hf_model
 from tests.model.engine_utils import hf_greedy
 from tests.model.numerics import assert_greedy_tokens_match, assert_logits_close
 

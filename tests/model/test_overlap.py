@@ -59,7 +59,7 @@ def _record(got, i, response, received):
     received[i] += len(result.output_token_ids[0])
 
 
-# The tiny model's depth and width (tests/model/checkpoints.py).
+# The tiny model's depth and width (tools/checkpoints.py).
 NUM_LAYERS, WIDTH = 3, 64
 
 

@@ -12,7 +12,7 @@ import inflight.model.loader as loader
 from inflight.model.attention import StepMetadata
 from inflight.model.llama import PackedLinear
 from inflight.model.loader import allocate_kv_caches, checkpoint_layout, load_model
-from tests.model.checkpoints import TINY_KINDS, save_tiny_checkpoint
+from tools.checkpoints import TINY_KINDS, save_tiny_checkpoint
 
 BLOCK = 4
 # Packing changes which GEMM call computes each output, which may reorder the fp32

@@ -4,7 +4,7 @@ On the CPU the kernels run under Triton's interpreter, which compiles nothing; w
 is the specialization key each launch would compile on a GPU (`jit_stats.specialization_key`,
 computed as Triton's binder does): after `precompile`, a mixed workload (one row and several,
 odd and even token counts, chunked prefill, decode rows of several split-K classes, greedy and
-sampled rows) asks for no key that start-up did not. tools/gpu_startup_check.py counts the
+sampled rows) asks for no key that start-up did not. checks/gpu_startup_check.py counts the
 real compiles on a GPU.
 """
 
@@ -27,7 +27,7 @@ from inflight.kernels.jit_stats import LaunchRecorder  # noqa: E402
 from inflight.model.attention import AttentionLimits  # noqa: E402
 from inflight.model.loader import load_model  # noqa: E402
 from inflight.runner.precompile import precompile, step_kinds  # noqa: E402
-from tests.model.checkpoints import LLAMA3_ROPE, TINY_COMMON  # noqa: E402
+from tools.checkpoints import LLAMA3_ROPE, TINY_COMMON  # noqa: E402
 from tests.model.engine_utils import gen_request, make_engine, run  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def _save_one_layer_llama3(path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tools/gpu_startup_check.py on CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks/gpu_startup_check.py on CUDA")
 def test_precompile_covers_every_variant_of_a_mixed_workload(tmp_path, monkeypatch):
     from inflight.kernels import paged_attention
     monkeypatch.setattr(paged_attention, "MIN_TOKENS_PER_PARTITION", 16)  # split-K at tiny lengths

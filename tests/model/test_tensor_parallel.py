@@ -29,7 +29,7 @@ from inflight.fatal_errors import EngineFatalError  # noqa: E402
 from inflight.model.config import ModelConfig  # noqa: E402
 from inflight.model.sharding import Shard, check_divisible, shard_for  # noqa: E402
 from inflight.distributed.group import check_devices  # noqa: E402
-from tests.model.checkpoints import TINY_COMMON  # noqa: E402
+from tools.checkpoints import TINY_COMMON  # noqa: E402
 from tests.model.engine_utils import assert_kv_idle, final, gen_request, output_tokens, run  # noqa: E402
 from tests.model.tolerances import fp32_noise_bound  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_tp2_matches_tp1(checkpoint, monkeypatch):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tools/gpu_tp.py runs these paths on GPUs")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bench/gpu_tp.py runs these paths on GPUs")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 def test_tp2_with_the_cuda_start_up_and_step_paths(checkpoint, monkeypatch, tmp_path):
     """The protocol of a CUDA run, on gloo: every rank runs the warm-up, the graph runner's

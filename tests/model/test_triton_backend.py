@@ -27,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 from inflight.model.attention import AttentionLimits, DecodeBuffers, StepMetadata  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
 from tests.model.tolerances import logits_tolerance  # noqa: E402
-from tests.model.checkpoints import TINY_COMMON, save_tiny_checkpoint  # noqa: E402
+from tools.checkpoints import TINY_COMMON, save_tiny_checkpoint  # noqa: E402
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 48

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sys
 
 import pytest
 
@@ -82,11 +81,7 @@ def test_probes_and_ports_follow_triton():
 
 
 def test_container_command_uses_real_flags():
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    try:
-        import build_repository
-    finally:
-        sys.path.remove(str(REPO_ROOT / "tools"))
+    from tools import build_repository
     command = _one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"][0]
     build, launch = command.split("&&")
     build_flags = {t[2:] for t in shlex.split(build) if t.startswith("--")}

@@ -1,4 +1,4 @@
-"""inflight.recovery: the launcher's restart budget and backoff, and which /dev/shm leftovers
+"""tools.recovery: the launcher's restart budget and backoff, and which /dev/shm leftovers
 are safe to remove while other servers run beside it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inflight.recovery import (
+from tools.recovery import (
     RestartPolicy,
     describe_exit,
     group_is_alive,

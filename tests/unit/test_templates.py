@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
 from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BLS
-from tests.conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import render_templates  # noqa: E402
+from tools import render_templates
 
 
 def test_every_template_is_rendered_from_the_contract():

@@ -43,7 +43,7 @@ from inflight.kernels._common import (
 
 # Tokens per K/V tile (see NOTES.md): 64 x 128 bf16 = 16 KiB for K and for V per iteration.
 DEFAULT_BLOCK_N = 64
-# fp32 (tests, parity runs): wider tiles spill registers on sm_90 (tools/compile_kernels.py).
+# fp32 (tests, parity runs): wider tiles spill registers on sm_90 (checks/compile_kernels.py).
 FP32_BLOCK_N = 16
 # Resident programs to aim for per SM when choosing P: enough loads in flight to cover HBM latency.
 PROGRAMS_PER_SM = 4

@@ -130,7 +130,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
 def default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper; see NOTES.md. fp32 (tests,
     parity runs) uses small tiles: its IEEE dot runs on CUDA cores, and 64 x 32 spills on sm_90
-    (tools/compile_kernels.py)."""
+    (checks/compile_kernels.py)."""
     if dtype == torch.float32:
         return 32, 32, 8, 1
     if head_dim <= 64:

@@ -177,7 +177,7 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, config: Executor
     """Entry point of a spawned rank: join, build the worker, follow rank 0 until stopped."""
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     # A hang must be diagnosable: a fatal signal (an NCCL abort) prints this rank's Python
-    # stack, and so does SIGUSR1 (a watchdog's request, e.g. tools/gpu_tp.py's), without stopping it.
+    # stack, and so does SIGUSR1 (a watchdog's request, e.g. bench/gpu_tp.py's), without stopping it.
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     device = rank_device(config, rank)

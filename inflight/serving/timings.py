@@ -16,7 +16,7 @@ other's read: an ADD (including any wait for the engine's step in progress), and
 events (including any wait for the responder's send in progress).
 
 Each send and question is a synchronous round trip to the server, so their mean time is what
-the responder's pace rests on (tools/serving_trace.py prints these lines beside its stages).
+the responder's pace rests on (bench/serving_trace.py prints these lines beside its stages).
 Thread-safe.
 """
 

@@ -7,6 +7,8 @@
 2. Each folder imports only the folders below it (`ALLOWED`), read from every import statement
    of the product, lazy ones inside functions included; and no module imports itself back
    through others (no cycle), so the layers cannot knot again.
+3. The product never imports its command lines (`tools/`), the scripts (`bench/`, `checks/`)
+   and the tests never import each other, and nothing edits `sys.path`.
 """
 
 from __future__ import annotations
@@ -127,3 +129,52 @@ def test_no_product_module_imports_itself_back():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# ----- the product, its command lines, the scripts and the tests ------------------------------
+
+# Who may import whom among the top-level folders: the product never reaches up to its command
+# lines (`tools`), and neither the scripts (`bench`, `checks`) nor the tests import each other;
+# what both need lives in `tools` or the product.
+FOLDER_RULES = {
+    "product": {"tools", "bench", "checks", "tests"},  # what each may NOT import
+    "model_repository": {"tools", "bench", "checks", "tests"},
+    "tools": {"bench", "checks", "tests"},
+    "bench": {"checks", "tests"},
+    "checks": {"tests"},
+    "tests": {"bench", "checks"},
+}
+
+
+def _top_level_imports(path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_product_tools_scripts_and_tests_import_only_downwards():
+    wrong = []
+    for folder, forbidden in FOLDER_RULES.items():
+        roots = PRODUCT if folder == "product" else [folder]
+        for root in roots:
+            for path in (REPO_ROOT / root).rglob("*.py"):
+                bad = _top_level_imports(path) & forbidden
+                wrong += [f"{path.relative_to(REPO_ROOT)} imports {name}" for name in sorted(bad)]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_nothing_edits_sys_path():
+    """Command lines, scripts and tests import the product as installed (`make setup`'s
+    editable install), never by editing `sys.path`."""
+    import re
+
+    edits = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=")
+    found = [str(path.relative_to(REPO_ROOT)) for root in ("tools", "bench", "checks", "tests", *PRODUCT)
+             for path in (REPO_ROOT / root).rglob("*.py") if edits.search(path.read_text())]
+    assert not found, f"sys.path edited in: {found}"

@@ -17,52 +17,18 @@ from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.generation import ChoiceEvent, collect, merge, run_choice
 from openai_frontend.infer_request import ensemble_inputs
-from openai_frontend.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, Completion,
-                                      CompletionChoice, CompletionRequest)
+from openai_frontend.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+)
 from openai_frontend.responses import ChatStream, CompletionStream, Context
 from openai_frontend.sampling import Limits, Plan, chat_plan, completion_plan
-from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
-
-LIMITS = Limits(context_length=256)
-
-
-class FakeTokenizer:
-    """Renders `<role>content` per message then `<assistant>`; a word is a token, numbered by
-    its length."""
-
-    chat_template = "fake"
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=True,
-                            sanitize_control_tokens=False):
-        assert add_generation_prompt and tokenize and not return_dict and sanitize_control_tokens
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-        return [len(word) for word in text.split()]
-
-
-class FakeTriton:
-    """Answers every request with `pieces` (one chunk each, log prob -0.5 per token)."""
-
-    def __init__(self, pieces=("Hel", "lo", " wor", "ld", "!"), error: str | None = None):
-        self.pieces = pieces
-        self.error = error
-        self.requests: list[EngineRequest] = []
-        self.num_closed = 0
-        self.num_sent = 0
-
-    async def check_ready(self, fresh=False):
-        pass
-
-    async def generate(self, request: EngineRequest, request_id: str = ""):
-        self.requests.append(request)
-        try:
-            for i, text in enumerate(self.pieces[:request.max_tokens]):
-                await asyncio.sleep(0)
-                if self.error and i == 2:
-                    raise classify(self.error)
-                self.num_sent += 1
-                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1)
-        finally:
-            self.num_closed += 1
+from openai_frontend.triton_client import EngineRequest, classify
+from tests.unit.openai_fakes import LIMITS, FakeTokenizer, FakeTriton
 
 
 def _run(coro):
@@ -356,49 +322,3 @@ def test_workers_auto_rule_and_flag():
     assert parse_args([]).workers == auto_workers()
     with _pytest.raises(SystemExit):
         parse_args(["--workers", "0"])
-
-
-# ----- size limits (issue 22) -------------------------------------------------------------------
-
-async def _post_raw(app, path, content, headers=None):
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post(path, content=content,
-                                 headers={"content-type": "application/json", **(headers or {})})
-
-
-def _app_with(max_body_bytes, triton):
-    served = ServedModel("m", ChatRenderer(FakeTokenizer(), "m"), LIMITS, created=0)
-    return create_app(triton, served, max_body_bytes)
-
-
-def test_a_body_over_the_bound_gets_413_before_anything_reads_it():
-    triton = FakeTriton()
-    body = json.dumps({"model": "m", "prompt": "x" * 2000}).encode()
-    reply = _run(_post_raw(_app_with(1000, triton), "/v1/completions", body))
-    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
-    assert "1000 bytes" in reply.json()["error"]["message"] and triton.requests == []
-
-    async def chunks():  # no Content-Length: counted as it arrives
-        for _ in range(20):
-            yield b" " * 100
-    reply = _run(_post_raw(_app_with(1000, triton), "/v1/completions", chunks()))
-    assert reply.status_code == 413 and triton.requests == []
-    small = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode()
-    assert _run(_post_raw(_app_with(1000, triton), "/v1/completions", small)).status_code == 200
-
-
-def test_a_prompt_over_max_input_bytes_is_refused_before_rendering():
-    limits = Limits(context_length=256)  # 255 prompt tokens: 8160 bytes
-    big = "x" * 8161
-    with pytest.raises(APIError, match=r"The 'prompt' is 8161 bytes, more than max_input_bytes \(8160\)"):
-        completion_plan(CompletionRequest(model="m", prompt=big), limits)
-
-    class Refusing(FakeTokenizer):
-        def apply_chat_template(self, *args, **kwargs):
-            raise AssertionError("rendered a refused conversation")
-
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": big}])
-    with pytest.raises(APIError) as info:
-        chat_plan(request, ChatRenderer(Refusing(), "m"), limits)
-    assert info.value.param == "messages" and info.value.code == "request_too_large"

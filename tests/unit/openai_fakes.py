@@ -1,0 +1,50 @@
+"""Stand-ins for the OpenAI frontend's unit tests: a tokenizer with a toy chat template and a
+Triton client that streams fixed pieces (the e2e tests use the real ones)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from openai_frontend.sampling import Limits
+from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
+
+LIMITS = Limits(context_length=256)
+
+
+class FakeTokenizer:
+    """Renders `<role>content` per message then `<assistant>`; a word is a token, numbered by
+    its length."""
+
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=True,
+                            sanitize_control_tokens=False):
+        assert add_generation_prompt and tokenize and not return_dict and sanitize_control_tokens
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return [len(word) for word in text.split()]
+
+
+class FakeTriton:
+    """Answers every request with `pieces` (one chunk each, log prob -0.5 per token)."""
+
+    def __init__(self, pieces=("Hel", "lo", " wor", "ld", "!"), error: str | None = None):
+        self.pieces = pieces
+        self.error = error
+        self.requests: list[EngineRequest] = []
+        self.num_closed = 0
+        self.num_sent = 0
+
+    async def check_ready(self, fresh=False):
+        pass
+
+    async def generate(self, request: EngineRequest, request_id: str = ""):
+        self.requests.append(request)
+        try:
+            for i, text in enumerate(self.pieces[:request.max_tokens]):
+                await asyncio.sleep(0)
+                if self.error and i == 2:
+                    raise classify(self.error)
+                self.num_sent += 1
+                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1)
+        finally:
+            self.num_closed += 1

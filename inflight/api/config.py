@@ -209,6 +209,10 @@ class ExecutorConfig:
     # None: the model's max_position_embeddings.
     max_seq_len: int | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # None: as the checkpoint is (an FP8 checkpoint's format is read from its folder); "fp8":
+    # an unquantized checkpoint's projections quantized to FP8 at load (per-channel weights,
+    # dynamic per-token activations), vLLM's name for it.
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     extended_runtime_perf_knob_config: ExtendedRuntimePerfKnobConfig = field(
         default_factory=ExtendedRuntimePerfKnobConfig)
@@ -239,6 +243,8 @@ class ExecutorConfig:
         _check(self.max_seq_len is None or self.max_seq_len > 0, f"max_seq_len must be > 0, got {self.max_seq_len}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got '{self.dtype}'")
+        _check(self.quantization in (None, "fp8"),
+               f"quantization must be fp8 or unset, got '{self.quantization}'")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be auto, cpu or cuda[:N], got '{self.device}'")
         _check(self.iter_stats_max_iterations >= 0, "iter_stats_max_iterations must be >= 0")

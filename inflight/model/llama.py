@@ -62,13 +62,14 @@ class PackedLinear(nn.Linear):
         super().__init__(in_features, sum(size for _, size in parts), bias=bias)
         self.parts = parts
 
-    def part_rows(self) -> dict[str, tuple[int, int]]:
-        """Checkpoint name -> (first row, number of rows) in the packed weight."""
-        rows, start = {}, 0
+    def part_slices(self, attr: str) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint part name -> (its tensor's name in the part, first row, number of rows)
+        of parameter `attr` (weight or bias) that the part fills."""
+        slices, start = {}, 0
         for name, size in self.parts:
-            rows[name] = (start, size)
+            slices[name] = (attr, start, size)
             start += size
-        return rows
+        return slices
 
 
 class VocabParallelEmbedding(nn.Embedding):

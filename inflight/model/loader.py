@@ -22,7 +22,9 @@ from torch import nn
 
 from inflight.distributed.group import TensorParallel
 from inflight.model.config import ModelConfig
-from inflight.model.llama import LlamaForCausalLM, PackedLinear
+from inflight.model.llama import LlamaForCausalLM
+from inflight.model.quantization import (FP8, KV_SCALE_SUFFIXES, SCALE_SUFFIXES, finalize_linears,
+                                         quantize_linears, scheme_for)
 from inflight.model.sharding import Shard, check_divisible, shard_for
 from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
@@ -54,19 +56,20 @@ class _Target:
 def checkpoint_layout(model: nn.Module) -> dict[str, _Target]:
     """Every checkpoint (HF) tensor name the model needs -> where it goes in the model.
 
-    Unpacked parameters are their own HF names; a `PackedLinear` named `...qkv_proj` stands
-    for `...q_proj`, `...k_proj`, `...v_proj` (its `parts`), each a block of its rows.
+    Unpacked parameters are their own HF names; a packed projection (`PackedLinear`, or an
+    `Fp8Linear` with parts) named `...qkv_proj` stands for `...q_proj`, `...k_proj`,
+    `...v_proj` (its `parts`), each filling a slice of its parameters (`part_slices`).
     """
     layout = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if not isinstance(module, PackedLinear):
+        if not getattr(module, "parts", None):
             layout[name] = _Target(name, 0, param.shape, False)
             continue
         prefix = module_name.rpartition(".")[0]
-        for part, (start, size) in module.part_rows().items():
-            layout[f"{prefix}.{part}.{attr}"] = _Target(name, start, torch.Size((size, *param.shape[1:])), True)
+        for part, (part_attr, start, size) in module.part_slices(attr).items():
+            layout[f"{prefix}.{part}.{part_attr}"] = _Target(name, start, torch.Size((size, *param.shape[1:])), True)
     return layout
 
 
@@ -82,6 +85,14 @@ def _set_tensor(model: nn.Module, target: _Target, tensor: torch.Tensor) -> None
                              requires_grad=False)
         setattr(module, attr, param)
     param.data[target.start:target.start + target.shape[0]].copy_(tensor)
+
+
+def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor is kept in: FP8 weights as they are, quantization scales
+    in fp32, everything else in the model's `dtype`."""
+    if tensor.dtype == FP8:
+        return FP8
+    return torch.float32 if name.endswith(SCALE_SUFFIXES) else dtype
 
 
 def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
@@ -154,8 +165,12 @@ def _checkpoint_tensors(model_dir: Path, weights: MutableMapping[str, torch.Tens
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
                attention_backend: str = "torch",
                weights: MutableMapping[str, torch.Tensor] | None = None,
-               tp: TensorParallel | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               tp: TensorParallel | None = None,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
+
+    An FP8 checkpoint (its format read from the folder, `inflight.model.quantization`) loads
+    into `Fp8Linear` projections; `quantization="fp8"` quantizes an unquantized one at load.
 
     The tensors come from the folder's safetensors files, or from `weights` (HF names, e.g. a
     random model built on the GPU for a benchmark; its entries are consumed) next to the
@@ -172,26 +187,32 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     config = ModelConfig.from_dir(model_dir)
     tp = tp or TensorParallel.single()
     check_divisible(config, tp.size)
+    scheme = scheme_for(model_dir, quantization, tp.size)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, pack_projections=packs_projections(device),
                                  tp=tp)
+        if scheme is not None:
+            quantize_linears(model, scheme)
     expected = checkpoint_layout(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, where, get_tensor in _checkpoint_tensors(model_dir, weights, tp):
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
+        if name.endswith(_IGNORED_SUFFIXES) or scheme is not None and scheme.kv_cache and name.endswith(KV_SCALE_SUFFIXES):
+            continue  # KV-cache scales: the cache stays in the model's dtype
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the head is the embedding matrix
         if name not in expected:
             unexpected.append(name)
             continue
         tensor = get_tensor()
-        if tensor.shape != expected[name].shape:
+        if tensor.shape != expected[name].shape and not (name.endswith(SCALE_SUFFIXES)
+                                                          and tensor.numel() == expected[name].shape.numel()):
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {where}, "
                              f"expected {tuple(expected[name].shape)} from config.json")
-        _set_tensor(model, expected[name], _owned(tensor, device, dtype, from_file=weights is None))
+        tensor = tensor.reshape(expected[name].shape)  # a per-tensor scale: [] or [1]
+        _set_tensor(model, expected[name], _owned(tensor, device, _load_dtype(name, tensor, dtype),
+                                                  from_file=weights is None))
         loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint {model_dir} has tensors the model does not use: "
@@ -205,6 +226,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
                          + (" ..." if len(missing) > 10 else ""))
+    finalize_linears(model, dtype)
     if uses_cpu_gemm_layout(device, dtype):
         _use_cpu_gemm_layout(model)
     model.model.rotary_emb.reset_cache(device)

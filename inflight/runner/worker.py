@@ -96,7 +96,7 @@ class Worker:
         if self.tp.is_parallel:
             extra["tp"] = self.tp
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, backend_name,
-                                                   **extra)
+                                                   quantization=config.quantization, **extra)
         # This rank's part of the model: its heads and KV heads (the whole model at tp=1).
         self.shard_config = shard_config(self.model_config, self.tp.size)
         self.backend = self.model.attention_backend

@@ -1,0 +1,172 @@
+"""The FP8 linear layer, and putting it in a model's place before its weights load.
+
+`Fp8Linear` replaces an `nn.Linear` (or a `PackedLinear` of q/k/v or gate/up) whose weights a
+checkpoint holds in FP8. Its parameters keep the checkpoint's names: `weight` (e4m3 [N, K]),
+`weight_scale` (or `weight_scale_inv`), `input_scale` (static activations), `bias`; a packed
+layer keeps one per-tensor scale per part until `finalize` merges them.
+
+How it computes, once `finalize` has run:
+- on CUDA, per-tensor or per-channel weights: the input is quantized as the scheme says and
+  multiplied with `torch._scaled_mm` (cuBLASLt for per-tensor scales, CUTLASS row-wise scales
+  otherwise), the FP8 weight read in place: half the bytes of bf16;
+- on the CPU, and for block weights or weight-only schemes on CUDA: the weight is dequantized
+  once at load to the model's dtype, and the input is quantized and dequantized on the fly
+  (`fp8.fake_quantize`), so the result is the scheme's, as Hugging Face's own load of the
+  checkpoint computes it. (A weight-only dequantization gives other greedy tokens within a
+  few steps.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inflight.model.quantization import fp8
+from inflight.model.quantization.schemes import Fp8Scheme
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W in FP8. `parts`: the packed projections' checkpoint names and row
+    counts (None for a single projection)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme,
+                 parts: tuple[tuple[str, int], ...] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.parts = scheme, parts
+        num_parts = len(parts) if parts else 1
+        dtype = torch.float32 if scheme.quantized_on_load else fp8.FP8  # filled by the loader
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        if not scheme.quantized_on_load:
+            suffix = scheme.scale_suffix
+            if scheme.weights == "block":  # a part's blocks need not line up with its neighbours'
+                for attr, rows in self._block_scale_params():
+                    self.register_parameter(attr, _param(torch.empty(fp8.num_blocks(rows), fp8.num_blocks(in_features))))
+            else:
+                shape = (num_parts,) if scheme.weights == "tensor" else (out_features,)
+                self.register_parameter(suffix, _param(torch.empty(shape)))
+            if scheme.activations == "static":
+                self.input_scale = _param(torch.empty(num_parts))
+        self.bias = _param(torch.empty(out_features)) if bias else None
+        self.dequantized: torch.Tensor | None = None  # the CPU / fallback path's weight
+        self.scale_b: torch.Tensor | None = None  # _scaled_mm's weight scales
+
+    def _block_scale_params(self) -> list[tuple[str, int]]:
+        """(parameter name, rows it covers) of the block scales: one per part when packed."""
+        suffix = self.scheme.scale_suffix
+        if not self.parts:
+            return [(suffix, self.out_features)]
+        return [(f"{suffix}_{index}", size) for index, (_, size) in enumerate(self.parts)]
+
+    def part_slices(self, attr: str) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint part name -> (its tensor's name in the part, first index, count) that it
+        fills of parameter `attr`: rows of the weight, bias and per-channel scales; one entry of
+        a per-tensor scale; all of a part's own block-scale parameter."""
+        suffix, slices, row = self.scheme.scale_suffix, {}, 0
+        for index, (name, size) in enumerate(self.parts):
+            if attr == f"{suffix}_{index}":
+                slices[name] = (suffix, 0, fp8.num_blocks(size))
+            elif attr == "input_scale" or (attr == suffix and self.scheme.weights == "tensor"):
+                slices[name] = (attr, index, 1)
+            elif not attr.startswith(f"{suffix}_"):
+                slices[name] = (attr, row, size)
+            row += size
+        return slices
+
+    @torch.no_grad()
+    def finalize(self, dtype: torch.dtype) -> None:
+        """After loading: quantize a high-precision weight (`quantization: fp8`), merge packed
+        scales, and prepare the path this device computes with."""
+        scheme = self.scheme
+        if scheme.quantized_on_load:
+            q, scale = fp8.quantize_weight_per_channel(self.weight)
+            self.weight = _param(q)
+            self.register_parameter(scheme.scale_suffix, _param(scale))
+        if scheme.weights == "block":
+            rows = [rows for _, rows in self._block_scale_params()]
+            self.dequantized = torch.cat([
+                fp8.dequantize_weight(part, getattr(self, attr), "block")
+                for part, (attr, _) in zip(self.weight.split(rows), self._block_scale_params())]).to(dtype)
+        else:
+            self._finalize_scales(dtype)
+        if self.bias is not None:
+            self.bias = _param(self.bias.to(dtype))
+
+    def _finalize_scales(self, dtype: torch.dtype) -> None:
+        scheme = self.scheme
+        scale = getattr(self, scheme.scale_suffix).float()
+        if scheme.weights == "tensor" and scale.numel() > 1:  # packed parts: one scale for all
+            q, scale = fp8.requantize_to_max(list(zip(self.weight.split([n for _, n in self.parts]), scale)))
+            self.weight = _param(q)
+        setattr(self, scheme.scale_suffix, _param(scale.reshape(-1)))
+        if scheme.activations == "static":
+            self.input_scale = _param(self.input_scale.float().max().reshape(1))
+        if self.weight.is_cuda and scheme.activations != "none":
+            self.scale_b = (scale.reshape(()) if self._tensorwise else
+                            scale.reshape(-1).expand(self.out_features).reshape(1, -1).contiguous())
+        else:
+            self.dequantized = fp8.dequantize_weight(self.weight, scale, scheme.weights).to(dtype)
+
+    @property
+    def _tensorwise(self) -> bool:
+        return self.scheme.weights == "tensor" and self.scheme.activations == "static"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # [M, K]
+        if self.scale_b is None:
+            out = nn.functional.linear(
+                fp8.fake_quantize(x, self.scheme.activations, getattr(self, "input_scale", None)).to(x.dtype),
+                self.dequantized, self.bias)
+        else:
+            out = self._scaled_mm(x)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.activations == "static":
+            q = fp8.to_fp8(x.float(), self.input_scale)
+            scale_a = self.input_scale.reshape(()) if self._tensorwise else self.input_scale.expand(x.shape[0], 1)
+        else:
+            q, scale_a = fp8.quantize_per_token(x)
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a.contiguous(), scale_b=self.scale_b,
+                               out_dtype=x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weights={self.scheme.weights}, activations={self.scheme.activations}")
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Replaces every decoder projection the scheme covers with an `Fp8Linear` (on the meta
+    device, before the weights load). The LM head and embeddings stay as they are. A packed
+    projection whose parts the scheme treats differently is refused."""
+    from inflight.model.llama import PackedLinear  # the model imports nothing of this package
+
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name == "lm_head" or ".layers." not in f".{name}":
+            continue
+        prefix = name.rpartition(".")[0]
+        names = [f"{prefix}.{part}" for part, _ in module.parts] if isinstance(module, PackedLinear) else [name]
+        ignored = {scheme.is_ignored(n) for n in names}
+        if ignored == {True}:
+            continue
+        if len(ignored) > 1:
+            from ensemble.errors import ConfigError
+
+            raise ConfigError(f"{scheme.source}: the ignore list leaves some of {', '.join(names)} "
+                              "unquantized and not the others; they are computed as one projection")
+        replacement = Fp8Linear(module.in_features, module.out_features, module.bias is not None, scheme,
+                                module.parts if isinstance(module, PackedLinear) else None)
+        parent = model.get_submodule(prefix) if prefix else model
+        setattr(parent, name.rpartition(".")[2], replacement)
+
+
+def finalize_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.finalize(dtype)

@@ -12,6 +12,8 @@ One module per kernel family, each documenting the tensor layout it expects:
     norm               rms_norm(x, weight, eps, out=None), fused_add_rms_norm(x, residual, weight, eps)
     rotary             apply_rotary(q, k, positions, cos, sin)
     activation         silu_and_mul(gate_up, out=None)
+    fp8                quantize_fp8(x, static_scale=None), scale_output(acc, scale_a, scale_b, bias,
+                       out_dtype): FP8 activations in one launch, scales after a unit-scale GEMM
     reference          plain-torch references and tolerances (no triton needed)
 
 Every wrapper is free of host synchronisation, and takes `out=` (or works in place) where a
@@ -38,6 +40,8 @@ _EXPORTS = {
     "fused_add_rms_norm": "norm",
     "apply_rotary": "rotary",
     "silu_and_mul": "activation",
+    "quantize_fp8": "fp8",
+    "scale_output": "fp8",
 }
 
 __all__ = sorted(_EXPORTS) + ["triton_available"]

@@ -53,6 +53,20 @@ def test_prefill_and_reduce_keys_ignore_per_step_values():
     assert len(keys) == 1 and len(reduce_keys) == 1
 
 
+def test_fp8_keys_ignore_the_row_count():
+    """A decode batch of 1 and a prefill chunk of 64 rows share each FP8 kernel's variant."""
+    from inflight.kernels.fp8 import _quantize_kernel, _scale_output_kernel
+
+    acc, s = torch.zeros(64, 256), torch.ones(64)
+    scale_keys = {jit_stats.specialization_key(
+        _scale_output_kernel, (acc, acc, s, s, s, rows, 256, 256, 256),
+        dict(SA_PER_ROW=True, SB_PER_COL=True, HAS_BIAS=False, BLOCK_N=256)) for rows in (1, 16, 33, 64)}
+    quantize_keys = {jit_stats.specialization_key(
+        _quantize_kernel, (acc[:rows], acc, s, s, 256, 256, 256),
+        dict(STATIC=False, EPS=1e-7, BLOCK=256, ONE_PASS=True)) for rows in (1, 16, 33, 64)}
+    assert len(scale_keys) == 1 and len(quantize_keys) == 1
+
+
 def test_key_still_sees_data_alignment_and_constexprs():
     """Not vacuous: the hidden-state pointer's alignment and the constexprs are in the key."""
     x = torch.zeros(64)
@@ -68,6 +82,7 @@ def test_every_launched_kernel_is_listed_and_nothing_is_compiled_here():
     names = set(jit_stats.launched_kernels())
     assert {"paged_attention._decode_kernel", "paged_attention._reduce_kernel",
             "prefill_attention._prefill_kernel", "kv_cache._store_kv_kernel", "norm._rms_norm_kernel",
-            "rotary._rotary_kernel", "activation._silu_and_mul_kernel"} <= names
+            "rotary._rotary_kernel", "activation._silu_and_mul_kernel", "fp8._scale_output_kernel",
+            "fp8._quantize_kernel"} <= names
     if not torch.cuda.is_available():
         assert jit_stats.num_compiled() == 0  # the interpreter compiles nothing

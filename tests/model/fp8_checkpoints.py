@@ -62,8 +62,11 @@ def _input_amax(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_compressed_tensors(preset: str, path: Path, common: dict = TINY_COMMON) -> Path:
     """A compressed-tensors `float-quantized` folder of the preset (FP8, FP8_DYNAMIC, FP8_BLOCK)."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = tiny_llama(common)

@@ -6,9 +6,12 @@ checkpoint holds in FP8. Its parameters keep the checkpoint's names: `weight` (e
 layer keeps one per-tensor scale per part until `finalize` merges them.
 
 How it computes, once `finalize` has run:
-- on CUDA, per-tensor or per-channel weights: the input is quantized as the scheme says and
-  multiplied with `torch._scaled_mm` (cuBLASLt for per-tensor scales, CUTLASS row-wise scales
-  otherwise), the FP8 weight read in place: half the bytes of bf16;
+- on CUDA, per-tensor or per-channel weights: the input is quantized as the scheme says in one
+  Triton launch (`inflight.kernels.fp8.quantize_fp8`) and multiplied with the FP8 weight read
+  in place, half the bytes of bf16, by `torch._scaled_mm` (cuBLASLt). Up to
+  `MAX_ROWS_UNIT_SCALES` rows with per-token or per-channel scales, the product is taken with
+  unit scales into fp32 and the scales applied after (`scale_output`): cuBLASLt's row-wise
+  scaled GEMM reads the weight at ~60 % of the bandwidth there, its tensor-wise one near it;
 - on the CPU, and for block weights or weight-only schemes on CUDA: the weight is dequantized
   once at load to the model's dtype, and the input is quantized and dequantized on the fly
   (`fp8.fake_quantize`), so the result is the scheme's, as Hugging Face's own load of the
@@ -23,6 +26,13 @@ from torch import nn
 
 from inflight.model.quantization import fp8
 from inflight.model.quantization.schemes import Fp8Scheme
+
+
+# Rows up to which a unit-scale GEMM and a separate scaling beat the row-wise scaled GEMM (the
+# fp32 product's extra bytes grow with the rows). One 8B layer, quantization included, on an
+# H100 (bench/fp8_gemm_probe.py): 0.109 against 0.152 ms at 1 row, 0.133 against 0.135 at 128,
+# 0.172 against 0.155 at 256.
+MAX_ROWS_UNIT_SCALES = 128
 
 
 class Fp8Linear(nn.Module):
@@ -50,6 +60,7 @@ class Fp8Linear(nn.Module):
         self.bias = _param(torch.empty(out_features)) if bias else None
         self.dequantized: torch.Tensor | None = None  # the CPU / fallback path's weight
         self.scale_b: torch.Tensor | None = None  # _scaled_mm's weight scales
+        self._kernels = None  # inflight.kernels.fp8 where the CUDA path has triton
 
     def _block_scale_params(self) -> list[tuple[str, int]]:
         """(parameter name, rows it covers) of the block scales: one per part when packed."""
@@ -102,6 +113,8 @@ class Fp8Linear(nn.Module):
         if scheme.activations == "static":
             self.input_scale = _param(self.input_scale.float().max().reshape(1))
         if self.weight.is_cuda and scheme.activations != "none":
+            self._kernels = _fp8_kernels()
+            self._one = torch.ones((), device=self.weight.device)
             self.scale_b = (scale.reshape(()) if self._tensorwise else
                             scale.reshape(-1).expand(self.out_features).reshape(1, -1).contiguous())
         else:
@@ -119,22 +132,41 @@ class Fp8Linear(nn.Module):
                 fp8.fake_quantize(x, self.scheme.activations, getattr(self, "input_scale", None)).to(x.dtype),
                 self.dequantized, self.bias)
         else:
-            out = self._scaled_mm(x)
+            out = self._fp8_matmul(x)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme.activations == "static":
-            q = fp8.to_fp8(x.float(), self.input_scale)
-            scale_a = self.input_scale.reshape(()) if self._tensorwise else self.input_scale.expand(x.shape[0], 1)
+    def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        static = self.input_scale if self.scheme.activations == "static" else None
+        if self._kernels is None:
+            q, scale_a = fp8.quantize_per_token(x) if static is None else (fp8.to_fp8(x.float(), static), static)
         else:
-            q, scale_a = fp8.quantize_per_token(x)
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a.contiguous(), scale_b=self.scale_b,
-                               out_dtype=x.dtype)
+            q, scale_a = self._kernels.quantize_fp8(x, static)
+            if x.shape[0] <= MAX_ROWS_UNIT_SCALES and not self._tensorwise:
+                # cuBLASLt's row-wise FP8 GEMM runs far below the bandwidth at few rows and its
+                # tensor-wise one near it: unit scales, fp32 out, the scales applied after.
+                acc = torch._scaled_mm(q, self.weight.t(), scale_a=self._one, scale_b=self._one,
+                                       out_dtype=torch.float32)
+                return self._kernels.scale_output(acc, scale_a, self.scale_b, self.bias, x.dtype)
+        if self._tensorwise:
+            scale_a = scale_a.reshape(())
+        elif static is not None:
+            scale_a = scale_a.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=x.dtype)
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weights={self.scheme.weights}, activations={self.scheme.activations}")
+
+
+def _fp8_kernels():
+    from inflight import kernels
+
+    if not kernels.triton_available():
+        return None
+    from inflight.kernels import fp8 as fp8_kernels
+
+    return fp8_kernels
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:

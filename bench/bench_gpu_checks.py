@@ -4,6 +4,7 @@
     python3 bench/bench_gpu_checks.py jit        # ~3 min on an H100: JIT compiles after start-up
     python3 bench/bench_gpu_checks.py profile    # ~3 min: per-kernel GPU time per decode step
     python3 bench/bench_gpu_checks.py jit --device cpu --shapes tiny   # a dry run on a CPU
+    python3 bench/bench_gpu_checks.py jit --quantization fp8           # the FP8 engine's kernels
 
 `jit`: starts the engine as bench_gpu.py does (Triton kernels, CUDA graphs, overlap), counting
 Triton compiles during start-up, then serves a mixed workload (batch 1; 64 mixed-length
@@ -37,10 +38,12 @@ from inflight.api.types import OutputConfig, Request, SamplingConfig
 from inflight.kernels import jit_stats
 
 
-def start_engine(shape: str, device: torch.device, max_batch: int, max_seq_len: int):
+def start_engine(shape: str, device: torch.device, max_batch: int, max_seq_len: int,
+                 quantization: str | None = None):
     """`start_random_engine`, counting the Triton compiles of its start-up."""
     compiles = jit_stats.CompileLog()
-    engine, vocab, startup_s = start_random_engine(shape, device, max_batch, max_seq_len, compiles)
+    overrides = {"quantization": quantization} if quantization else {}
+    engine, vocab, startup_s = start_random_engine(shape, device, max_batch, max_seq_len, compiles, **overrides)
     startup = {"startup_s": round(startup_s, 2),
                "startup_compiles": len(compiles.events),
                "startup_compile_s": round(compiles.seconds, 2)}
@@ -87,7 +90,7 @@ def serve(engine, phases: list[tuple[str, list[tuple[int, list[int], int]]]], rn
 
 
 def jit_check(shape: str, device: torch.device, args) -> dict:
-    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len)
+    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization)
     log(f"== {shape}: {json.dumps(out)}; variants held {jit_stats.num_compiled()}")
     rng = random.Random(1)
     long = min(args.max_seq_len // 2, 600)
@@ -121,7 +124,7 @@ def jit_check(shape: str, device: torch.device, args) -> dict:
 # ----- profile -----------------------------------------------------------------------------
 
 def profile(shape: str, device: torch.device, args) -> dict:
-    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len)
+    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization)
     log(f"== {shape}: {json.dumps(out)}")
     out["batches"] = []
     for batch in args.batches:
@@ -149,6 +152,7 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per batch")
+    parser.add_argument("--quantization", choices=["fp8"], help="the engine's quantization at load")
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu_checks")
     args = parser.parse_args()
     device = open_device(args.device)

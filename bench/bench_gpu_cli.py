@@ -32,10 +32,12 @@ def open_device(name: str) -> torch.device | None:
 
 
 def start_random_engine(shape: str, device: torch.device, max_batch_size: int, max_seq_len: int,
-                        during_start_up: contextlib.AbstractContextManager = contextlib.nullcontext()):
-    """An engine (auto settings) over a random-weight model of `shape`, bf16 on CUDA, float32
-    elsewhere. `during_start_up` is entered around the engine's start-up alone (the weights
-    are built before it). Returns the engine, the vocabulary size and the start-up seconds."""
+                        during_start_up: contextlib.AbstractContextManager = contextlib.nullcontext(),
+                        **overrides):
+    """An engine (auto settings, ExecutorConfig `overrides`) over a random-weight model of
+    `shape`, bf16 on CUDA, float32 elsewhere. `during_start_up` is entered around the engine's
+    start-up alone (the weights are built before it). Returns the engine, the vocabulary size
+    and the start-up seconds."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf, folder = build_hf(shape, device, dtype)
     weights = dict(hf.state_dict())
@@ -45,7 +47,7 @@ def start_random_engine(shape: str, device: torch.device, max_batch_size: int, m
     start = time.perf_counter()
     with during_start_up:
         engine = make_engine(folder, weights, device, str(dtype).removeprefix("torch."), max_batch_size,
-                             max_seq_len)
+                             max_seq_len, **overrides)
     del weights  # the engine holds what it loaded; the HF tensors go with the last reference
     return engine, vocab, time.perf_counter() - start
 

@@ -65,6 +65,8 @@ DEFAULTS = {
     "parse_special_tokens": "false",
     "dtype": "auto",
     "device": "auto",
+    # fp8: an unquantized checkpoint's projections quantized to FP8 at load (vLLM's name).
+    "quantization": "",
     "batch_scheduler_policy": "guaranteed_no_evict",
     "enable_chunked_context": "true",
     "max_tokens_in_paged_kv_cache": "",

@@ -9,9 +9,10 @@ One module per kernel family, each documenting the tensor layout it expects:
                        max_query_len, scale, ...)
     mixed_attention    paged_mixed_attention(q, kv_cache, block_tables, query_start_loc, seq_lens,
                        scale, ...): one fixed-grid launch for a padded mixed step (CUDA graphs)
-    norm               rms_norm(x, weight, eps, out=None), fused_add_rms_norm(x, residual, weight, eps)
+    norm               rms_norm(x, weight, eps, out=None), fused_add_rms_norm(x, residual, weight, eps),
+                       rms_norm_fp8(x, residual, weight, eps, static_scale=None)
     rotary             apply_rotary(q, k, positions, cos, sin)
-    activation         silu_and_mul(gate_up, out=None)
+    activation         silu_and_mul(gate_up, out=None), silu_and_mul_fp8(gate_up, static_scale=None)
     fp8                quantize_fp8(x, static_scale=None), scale_output(acc, scale_a, scale_b, bias,
                        out_dtype): FP8 activations in one launch, scales after a unit-scale GEMM
     reference          plain-torch references and tolerances (no triton needed)
@@ -38,8 +39,10 @@ _EXPORTS = {
     "paged_mixed_attention": "mixed_attention",
     "rms_norm": "norm",
     "fused_add_rms_norm": "norm",
+    "rms_norm_fp8": "norm",
     "apply_rotary": "rotary",
     "silu_and_mul": "activation",
+    "silu_and_mul_fp8": "activation",
     "quantize_fp8": "fp8",
     "scale_output": "fp8",
 }

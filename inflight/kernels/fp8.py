@@ -24,7 +24,7 @@ import torch
 
 from inflight.kernels._common import check_last_dim_contiguous, next_pow2, tl, triton
 
-_EPS = torch.finfo(torch.float32).eps
+EPS = torch.finfo(torch.float32).eps  # the scale of an all-zero row
 
 
 @triton.jit
@@ -43,22 +43,36 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
+def _row_scale(x, row, scale_ptr, static_ptr, STATIC: tl.constexpr, EPS: tl.constexpr):
+    """The scale of a row held in registers (fp32, masked lanes 0): the static one, or the
+    row's largest magnitude over 448, stored at scale_ptr[row] (a zero scale made EPS)."""
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0)
+        scale = tl.where(scale == 0.0, EPS, scale)
+        tl.store(scale_ptr + row, scale)
+    return scale
+
+
+@triton.jit
+def _e4m3_bits(x, scale):
+    """fp32 x / scale in e4m3, clamped to +-448, as uint8 bits."""
+    y = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
+    return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K,
                      STATIC: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     if ONE_PASS:  # the row fits in registers: one read
         offs = tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr)
-        else:
-            scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0)
-            scale = tl.where(scale == 0.0, EPS, scale)
-            tl.store(scale_ptr + row, scale)
-        y = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
-        tl.store(q_row + offs, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
+        scale = _row_scale(x, row, scale_ptr, static_ptr, STATIC, EPS)
+        tl.store(q_row + offs, _e4m3_bits(x, scale), mask=offs < K)
     else:
         if STATIC:
             scale = tl.load(static_ptr)
@@ -68,14 +82,11 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K,
                 offs = start + tl.arange(0, BLOCK)
                 x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.max(amax, axis=0), 448.0)
-            scale = tl.where(scale == 0.0, EPS, scale)
-            tl.store(scale_ptr + row, scale)
+            scale = _row_scale(amax, row, scale_ptr, static_ptr, STATIC, EPS)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            y = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
-            tl.store(q_row + offs, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
+            tl.store(q_row + offs, _e4m3_bits(x, scale), mask=offs < K)
 
 
 MAX_ONE_PASS = 16384  # columns a program holds in registers (32 fp32 per thread at 16 warps)
@@ -87,18 +98,24 @@ def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
     every row is divided by it and the scale returned is that one value ([1])."""
     check_last_dim_contiguous("x", x)
     rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
-    if static_scale is None:
-        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    else:
-        scale = static_scale.reshape(1).float()
+    q, scale = fp8_outputs(rows, cols, static_scale, x.device)
     if rows:
         one_pass = cols <= MAX_ONE_PASS
         block = next_pow2(cols) if one_pass else 4096
         _quantize_kernel[(rows,)](x, q, scale, scale, x.stride(0), q.stride(0), cols,
-                                  STATIC=static_scale is not None, EPS=_EPS, BLOCK=block, ONE_PASS=one_pass,
+                                  STATIC=static_scale is not None, EPS=EPS, BLOCK=block, ONE_PASS=one_pass,
                                   num_warps=max(1, min(16, block // 1024)))
     return q.view(torch.float8_e4m3fn), scale
+
+
+def fp8_outputs(rows: int, cols: int, static_scale: torch.Tensor | None, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers a quantizing kernel writes: uint8 bits [rows, cols], and fp32 scales
+    [rows, 1] (per token) or the static scale itself as [1]."""
+    q = torch.empty((rows, cols), dtype=torch.uint8, device=device)
+    if static_scale is None:
+        return q, torch.empty((rows, 1), dtype=torch.float32, device=device)
+    return q, static_scale.reshape(1).float()
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -132,6 +132,17 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of the packed gate/up output: [T, 2I] -> [T, I] (`ops.silu_and_mul`)."""
+
+    def __init__(self, ops: TorchOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, pack_projections: bool, ops: TorchOps,
                  tp: TensorParallel) -> None:
@@ -143,6 +154,7 @@ class MLP(nn.Module):
         if pack_projections:
             self.gate_up_proj = PackedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)),
                                              bias=bias)
+            self.act_fn = SiluAndMul(ops)
         else:
             self.gate_proj = nn.Linear(hidden, inter, bias=bias)
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
@@ -150,7 +162,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+            out = self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         else:
             gate = F.silu(self.gate_proj(x), inplace=True)  # in place: one activation buffer less
             out = self.down_proj(gate.mul_(self.up_proj(x)))

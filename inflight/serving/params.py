@@ -125,7 +125,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         iter_stats_max_iterations=get_int(params, "iter_stats_max_iterations", 1000),
         max_seq_len=get_int(params, "max_seq_len", None),
         dtype=params.get("dtype", "auto"),
-        quantization=params.get("quantization"),
+        quantization=params.get("quantization") or None,
         device=params.get("device", "auto"),
         extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),

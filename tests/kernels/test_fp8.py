@@ -1,4 +1,5 @@
-"""FP8 kernels: quantize_fp8 bit for bit against the torch quantizers the CPU path uses, and
+"""FP8 kernels: quantize_fp8 bit for bit against the torch quantizers the CPU path uses; the
+norm and SiLU-mul that quantize their output bit for bit against the op, then quantize_fp8;
 scale_output against an fp64 product of its inputs."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 from inflight.kernels import fp8 as fp8_kernels
+from inflight.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from inflight.kernels.fp8 import quantize_fp8, scale_output
+from inflight.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_fp8
 from inflight.model.quantization import fp8 as ref
 from tests.kernels.helpers import cuda_only, randn
 
@@ -77,3 +80,51 @@ def test_scale_output_rounds_once(gen, out_dtype, per_row, per_col, with_bias):
     slack = 3 * FP32_EPS * magnitude + OUT_EPS[out_dtype] * exact.abs() * (1 + 4 * FP32_EPS)
     assert out.dtype == out_dtype and bool(((out.double() - exact).abs() <= slack).all())
     assert scale_output(acc[:0], scale_a[:0] if per_row else scale_a, scale_b, bias, out_dtype).shape == (0, cols)
+
+
+def _same_fp8(got: tuple, want: tuple) -> bool:
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", cuda_only([4096, 5120], [96, 200]))
+def test_norm_with_fp8_output_is_the_norm_then_quantize(gen, static, with_residual, hidden):
+    x = randn((5, hidden), torch.bfloat16, gen, scale=2.0)
+    residual = randn((5, hidden), torch.bfloat16, gen, scale=2.0)
+    weight = randn(hidden, torch.bfloat16, gen)
+    x[3] = 0  # with no residual: an all-zero row
+    static_scale = torch.tensor(0.02, device=gen.device) if static else None
+    if with_residual:
+        unfused_residual = residual.clone()
+        normed, _ = fused_add_rms_norm(x.clone(), unfused_residual, weight, 1e-5)
+        q, scale, fused_residual = rms_norm_fp8(x, residual, weight, 1e-5, static_scale)
+        assert fused_residual is residual and torch.equal(residual, unfused_residual)
+    else:
+        normed = rms_norm(x, weight, 1e-5)
+        q, scale, _ = rms_norm_fp8(x, None, weight, 1e-5, static_scale)
+    assert _same_fp8((q, scale), quantize_fp8(normed, static_scale))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("inter", cuda_only([14336, 20000], [100, 300]))
+def test_silu_and_mul_with_fp8_output_is_the_op_then_quantize(gen, static, one_pass, inter, monkeypatch):
+    if not one_pass:
+        monkeypatch.setattr(fp8_kernels, "MAX_ONE_PASS", 64)
+    gate_up = randn((4, 2 * inter), torch.bfloat16, gen, scale=3.0)
+    gate_up[2] = 0
+    static_scale = torch.tensor(0.05, device=gen.device) if static else None
+    assert _same_fp8(silu_and_mul_fp8(gate_up, static_scale), quantize_fp8(silu_and_mul(gate_up), static_scale))
+
+
+def test_fused_fp8_ops_reject_mismatched_inputs(gen):
+    x = randn((2, 64), torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_fp8(x, None, randn(64, torch.float32, gen), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_fp8(x, randn((2, 64), torch.float32, gen), randn(64, torch.bfloat16, gen), 1e-5)
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_and_mul_fp8(randn((2, 7), torch.bfloat16, gen))
+    q, scale, _ = rms_norm_fp8(x[:0], None, randn(64, torch.bfloat16, gen), 1e-5)
+    assert q.shape == (0, 64) and scale.shape == (0, 1)

@@ -34,6 +34,16 @@ def test_unset_and_unfilled_knobs_keep_the_dataclass_defaults():
     assert ExecutorConfig().enable_overlap_scheduler is None  # auto: on with CUDA
 
 
+def test_quantization_parameter():
+    """`quantization` (vLLM's name): fp8 at load; unset or empty: the checkpoint as it is."""
+    assert params.executor_config({"quantization": "fp8"}).quantization == "fp8"
+    assert params.executor_config({"quantization": ""}).quantization is None
+    from tools import build_repository
+    assert build_repository.DEFAULTS["quantization"] == ""
+    template = (TOOLS.parent / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "quantization"\n  value: { string_value: "${quantization}" }' in template
+
+
 @pytest.mark.parametrize("text, value", [("auto", None), ("AUTO", None), ("true", True), ("0", False)])
 def test_auto_knobs_read_both_ways(text, value):
     config = params.executor_config({"cuda_graph_mode": text, "enable_overlap_scheduler": text,
@@ -67,6 +77,7 @@ def test_builder_renders_the_declared_defaults():
      "parameter enable_overlap_scheduler must be auto, true or false"),
     ({"cuda_graph_cache_size": "-1"}, "cuda_graph_cache_size must be >= 0, got -1"),
     ({"cuda_graph_cache_size": "all"}, "parameter cuda_graph_cache_size must be an integer"),
+    ({"quantization": "int4"}, "quantization must be fp8 or unset, got 'int4'"),
 ])
 def test_bad_knobs_fail_with_the_parameter_named(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -92,4 +92,4 @@ def requantize_to_max(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[t
     top = max(scale.float().reshape(()) for _, scale in parts)
     merged = [q if scale.float().reshape(()) == top else to_fp8(q.float() * scale.float().reshape(()), top)
               for q, scale in parts]
-    return torch.cat(merged), top
+    return torch.cat(merged), top.clone()  # not a view at an offset into the scales

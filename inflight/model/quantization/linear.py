@@ -21,6 +21,8 @@ How it computes, once `finalize` has run:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -33,6 +35,21 @@ from inflight.model.quantization.schemes import Fp8Scheme
 # H100 (bench/fp8_gemm_probe.py): 0.109 against 0.152 ms at 1 row, 0.133 against 0.135 at 128,
 # 0.172 against 0.155 at 256.
 MAX_ROWS_UNIT_SCALES = 128
+
+
+@dataclass(frozen=True)
+class QuantizedInput:
+    """An FP8 projection's input, quantized by the kernel that produced it (see `fusion`):
+    q e4m3 [M, K], scale fp32 [M, 1] per token or the static [1]; `dtype` is the activation
+    dtype the projection's output takes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 class Fp8Linear(nn.Module):
@@ -112,11 +129,13 @@ class Fp8Linear(nn.Module):
         setattr(self, scheme.scale_suffix, _param(scale.reshape(-1)))
         if scheme.activations == "static":
             self.input_scale = _param(self.input_scale.float().max().reshape(1))
-        if self.weight.is_cuda and scheme.activations != "none":
+        if _computes_in_fp8(self.weight) and scheme.activations != "none":
             self._kernels = _fp8_kernels()
             self._one = torch.ones((), device=self.weight.device)
+            # Fresh tensors: cuBLASLt refuses a scale that is not 16-byte aligned (a view into a
+            # packed layer's per-part scales at an offset was CUBLAS_STATUS_NOT_SUPPORTED).
             self.scale_b = (scale.reshape(()) if self._tensorwise else
-                            scale.reshape(-1).expand(self.out_features).reshape(1, -1).contiguous())
+                            scale.reshape(-1).expand(self.out_features).reshape(1, -1)).clone()
         else:
             self.dequantized = fp8.dequantize_weight(self.weight, scale, scheme.weights).to(dtype)
 
@@ -124,7 +143,9 @@ class Fp8Linear(nn.Module):
     def _tensorwise(self) -> bool:
         return self.scheme.weights == "tensor" and self.scheme.activations == "static"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:
+        if isinstance(x, QuantizedInput):  # quantized by the kernel that made it
+            return self._matmul(x.q, x.scale, x.dtype)
         shape = x.shape
         x = x.reshape(-1, self.in_features)  # [M, K]
         if self.scale_b is None:
@@ -132,31 +153,53 @@ class Fp8Linear(nn.Module):
                 fp8.fake_quantize(x, self.scheme.activations, getattr(self, "input_scale", None)).to(x.dtype),
                 self.dequantized, self.bias)
         else:
-            out = self._fp8_matmul(x)
+            out = self._matmul(*self._quantize(x), x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
-    def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        static = self.input_scale if self.scheme.activations == "static" else None
-        if self._kernels is None:
-            q, scale_a = fp8.quantize_per_token(x) if static is None else (fp8.to_fp8(x.float(), static), static)
-        else:
-            q, scale_a = self._kernels.quantize_fp8(x, static)
-            if x.shape[0] <= MAX_ROWS_UNIT_SCALES and not self._tensorwise:
-                # cuBLASLt's row-wise FP8 GEMM runs far below the bandwidth at few rows and its
-                # tensor-wise one near it: unit scales, fp32 out, the scales applied after.
-                acc = torch._scaled_mm(q, self.weight.t(), scale_a=self._one, scale_b=self._one,
-                                       out_dtype=torch.float32)
-                return self._kernels.scale_output(acc, scale_a, self.scale_b, self.bias, x.dtype)
+    @property
+    def static_input_scale(self) -> torch.Tensor | None:
+        """The one input scale of static activations ([1], after `finalize`), else None."""
+        return self.input_scale if self.scheme.activations == "static" else None
+
+    @property
+    def takes_quantized_input(self) -> bool:
+        """Whether `forward` takes a `QuantizedInput` (the CUDA path, activations quantized)."""
+        return self.scale_b is not None and self._kernels is not None
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (e4m3 [M, K], scales [M, 1] per token or the static [1])."""
+        static = self.static_input_scale
+        if self._kernels is not None:
+            return self._kernels.quantize_fp8(x, static)
+        if static is None:
+            return fp8.quantize_per_token(x)
+        return fp8.to_fp8(x.float(), static), static
+
+    def _matmul(self, q: torch.Tensor, scale_a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        rows = q.shape[0]
+        if self._kernels is not None and rows <= MAX_ROWS_UNIT_SCALES and not self._tensorwise:
+            # cuBLASLt's row-wise FP8 GEMM runs far below the bandwidth at few rows and its
+            # tensor-wise one near it: unit scales, fp32 out, the scales applied after.
+            acc = torch._scaled_mm(q, self.weight.t(), scale_a=self._one, scale_b=self._one,
+                                   out_dtype=torch.float32)
+            return self._kernels.scale_output(acc, scale_a, self.scale_b, self.bias, out_dtype)
         if self._tensorwise:
             scale_a = scale_a.reshape(())
-        elif static is not None:
-            scale_a = scale_a.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=x.dtype)
+        elif scale_a.numel() == 1:  # a static scale, for the row-wise GEMM
+            scale_a = scale_a.reshape(1, 1).expand(rows, 1).contiguous()
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=out_dtype)
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weights={self.scheme.weights}, activations={self.scheme.activations}")
+
+
+def _computes_in_fp8(weight: torch.Tensor) -> bool:
+    """Whether a projection multiplies the FP8 values themselves (`torch._scaled_mm`; CUDA),
+    rather than its weight dequantized at load. (Tests of the CUDA path's control flow on the
+    CPU, where `_scaled_mm` also runs, patch this.)"""
+    return weight.is_cuda
 
 
 def _fp8_kernels():
@@ -199,6 +242,11 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
 
 
 def finalize_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """After loading: each `Fp8Linear` finalized, then its input's quantization moved into the
+    kernel before it where the device's path allows (`fusion`)."""
+    from inflight.model.quantization.fusion import fuse_input_quantization
+
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.finalize(dtype)
+    fuse_input_quantization(model, dtype)

@@ -24,7 +24,7 @@ from inflight.distributed.group import TensorParallel
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.quantization import (FP8, KV_SCALE_SUFFIXES, SCALE_SUFFIXES, finalize_linears,
-                                         quantize_linears, scheme_for)
+                                         fuse_input_quantization, quantize_linears, scheme_for)
 from inflight.model.sharding import Shard, check_divisible, shard_for
 from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
@@ -227,6 +227,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:10])}"
                          + (" ..." if len(missing) > 10 else ""))
     finalize_linears(model, dtype)
+    fuse_input_quantization(model, dtype)  # FP8 inputs made by the kernels before (CUDA)
     if uses_cpu_gemm_layout(device, dtype):
         _use_cpu_gemm_layout(model)
     model.model.rotary_emb.reset_cache(device)

@@ -18,8 +18,9 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 from inflight.model.attention import AttentionLimits, StepMetadata  # noqa: E402
+from inflight.model import loader  # noqa: E402
 from inflight.model.loader import allocate_kv_caches, load_model  # noqa: E402
-from inflight.model.quantization import fusion, linear  # noqa: E402
+from inflight.model.quantization import linear  # noqa: E402
 from inflight.model.quantization.fusion import Fp8OutputRMSNorm, Fp8OutputSiluAndMul  # noqa: E402
 from tests.model import fp8_checkpoints as ckpt  # noqa: E402
 from tests.model.test_fp8_checkpoints import PROMPT  # noqa: E402
@@ -39,7 +40,7 @@ def folders(tmp_path_factory):
 def _logits(folder, quantization, fused: bool, monkeypatch) -> tuple[torch.Tensor, torch.nn.Module]:
     monkeypatch.setattr(linear, "_computes_in_fp8", lambda weight: True)
     if not fused:
-        monkeypatch.setattr(fusion, "fuse_input_quantization", lambda model, dtype: 0)
+        monkeypatch.setattr(loader, "fuse_input_quantization", lambda model, dtype: 0)
     model, config = load_model(folder, torch.float32, DEVICE, "triton", quantization=quantization)
     monkeypatch.undo()
     model.attention_backend.reserve(AttentionLimits(

@@ -2,9 +2,10 @@
 
 `schemes` reads which quantization a checkpoint folder holds (compressed-tensors, NVIDIA
 ModelOpt, Hugging Face fp8) and refuses what it cannot serve; `fp8` is the arithmetic;
-`linear` is the FP8 projection that replaces `nn.Linear` before the weights load. The loader
+`linear` is the FP8 projection that replaces `nn.Linear` before the weights load; `fusion`
+moves its input's quantization into the norm or activation kernel before it. The loader
 (`inflight.model.loader`) calls `scheme_for`, `quantize_linears` and, once every tensor is in,
-`finalize_linears`.
+`finalize_linears` and `fuse_input_quantization`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ensemble.errors import ConfigError
 from inflight.model.quantization.fp8 import FP8
+from inflight.model.quantization.fusion import fuse_input_quantization
 from inflight.model.quantization.linear import Fp8Linear, finalize_linears, quantize_linears
 from inflight.model.quantization.schemes import Fp8Scheme, read_scheme
 
@@ -22,7 +24,7 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 QUANTIZATIONS = ("fp8",)
 
 __all__ = ["FP8", "Fp8Linear", "Fp8Scheme", "KV_SCALE_SUFFIXES", "QUANTIZATIONS", "SCALE_SUFFIXES",
-           "finalize_linears", "quantize_linears", "read_scheme", "scheme_for"]
+           "finalize_linears", "fuse_input_quantization", "quantize_linears", "read_scheme", "scheme_for"]
 
 
 def scheme_for(model_dir: str | Path, quantization: str | None, tp_size: int = 1) -> Fp8Scheme | None:

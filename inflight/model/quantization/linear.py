@@ -242,11 +242,6 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
 
 
 def finalize_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """After loading: each `Fp8Linear` finalized, then its input's quantization moved into the
-    kernel before it where the device's path allows (`fusion`)."""
-    from inflight.model.quantization.fusion import fuse_input_quantization
-
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.finalize(dtype)
-    fuse_input_quantization(model, dtype)

@@ -1,9 +1,10 @@
 """Tiny FP8 checkpoints in the formats people download, and the references to check them by.
 
 compressed-tensors folders are made by the `compressed-tensors` package itself (the library
-llm-compressor writes with): its scheme presets are applied to a tiny random Llama, the scales
-are computed with its own `calculate_qparams` (static input scales from activations observed on
-calibration tokens, as an observer does), and its `ModelCompressor` writes the folder. Hugging
+llm-compressor writes with), through `tools/fp8_checkpoint.py`: its scheme presets are applied
+to a tiny random Llama, the scales are computed with its own `calculate_qparams` (static input
+scales from activations observed on calibration tokens, as an observer does), and its
+`ModelCompressor` writes the folder. Hugging
 Face transformers loads those folders itself, activation quantization included: the reference.
 
 ModelOpt needs CUDA to quantize, and transformers has no `modelopt` method, so its folder is
@@ -23,6 +24,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from tools import fp8_checkpoint
 from tools.checkpoints import TINY_COMMON, tiny_hf_model
 
 FP8 = torch.float8_e4m3fn
@@ -39,64 +41,10 @@ def tiny_llama(common: dict = TINY_COMMON) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
 
 
-def _linears(model: torch.nn.Module):
-    return [(name, module) for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name != "lm_head"]
-
-
-def _input_amax(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Each projection's largest input magnitude over the calibration tokens."""
-    amax, hooks = {}, []
-    for name, module in _linears(model):
-        def hook(mod, args, name=name):
-            value = args[0].detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, value), value)
-        hooks.append(module.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        model(torch.tensor(CALIBRATION))
-    for hook in hooks:
-        hook.remove()
-    return amax
-
-
 def save_compressed_tensors(preset: str, path: Path, common: dict = TINY_COMMON) -> Path:
-    """A compressed-tensors `float-quantized` folder of the preset (FP8, FP8_DYNAMIC, FP8_BLOCK)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    model = tiny_llama(common)
-    amax = _input_amax(model)
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
-                                ignore=["lm_head"])
-    apply_quantization_config(model, config)
-    for name, module in _linears(model):
-        scheme = module.quantization_scheme
-        weights, strategy = scheme.weights, str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
-        w = module.weight.detach().float()
-        if strategy == "tensor":
-            low, high = w.amin().reshape(1), w.amax().reshape(1)
-        elif strategy == "channel":
-            low, high = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
-        else:  # 128 x 128 blocks
-            rows, cols = module.weight_scale.shape
-            blocks = torch.nn.functional.pad(w, (0, cols * 128 - w.shape[1], 0, rows * 128 - w.shape[0]))
-            blocks = blocks.reshape(rows, 128, cols, 128)
-            low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
-        scale, _ = calculate_qparams(low, high, weights)
-        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-        if hasattr(module, "input_scale") and not scheme.input_activations.dynamic:
-            scale, _ = calculate_qparams(-amax[name].reshape(1), amax[name].reshape(1), scheme.input_activations)
-            module.input_scale.data.copy_(scale.reshape(module.input_scale.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
-    compressor.compress_model(model)
-    model.save_pretrained(path)
-    compressor.update_config(path)
-    return path
+    """A compressed-tensors `float-quantized` folder of the preset (FP8, FP8_DYNAMIC, FP8_BLOCK)
+    of the tiny model, written by `tools/fp8_checkpoint.py` (the compressed-tensors package)."""
+    return fp8_checkpoint.save(tiny_llama(common), path, preset, CALIBRATION)
 
 
 def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +56,7 @@ def save_modelopt(path: Path, kv_scales: bool = True) -> Path:
     """A ModelOpt FP8 folder: per-tensor weight and input scales (q/k/v's deliberately differ),
     k/v cache scales, `hf_quant_config.json` and the `config.json` form."""
     model = tiny_llama()
-    amax = _input_amax(model)
+    amax = fp8_checkpoint.input_amax(model, CALIBRATION)
     tensors = {}
     for name, param in model.state_dict().items():
         module = name.rpartition(".")[0]
@@ -143,7 +91,7 @@ def save_hf_fp8(path: Path) -> Path:
     """Hugging Face's fine-grained FP8: 128x128 weight blocks scaled by `weight_scale_inv`."""
     model = tiny_llama(BLOCK_COMMON)
     tensors = {}
-    linears = {name for name, _ in _linears(model)}
+    linears = {name for name, _ in fp8_checkpoint.linears(model)}
     for name, param in model.state_dict().items():
         module = name.rpartition(".")[0]
         if module in linears and name.endswith(".weight"):
@@ -188,7 +136,7 @@ def hand_written_reference(path: Path, quantize_input) -> torch.nn.Module:
         if value.dtype != FP8 and not name.endswith(("_scale", "_scale_inv")):
             state[name] = value.float()
     model.load_state_dict(state, strict=False)
-    for name, module in _linears(model):
+    for name, module in fp8_checkpoint.linears(model):
         q = tensors[f"{name}.weight"].float()
         if f"{name}.weight_scale_inv" in tensors:
             scale = tensors[f"{name}.weight_scale_inv"].float()

@@ -139,6 +139,21 @@ def test_quantization_fp8_at_load(tmp_path):
         load_model(tmp_path, torch.float32, "cpu", quantization="int4")
 
 
+def test_fp8_checkpoint_tool_writes_a_folder_that_serves(tmp_path):
+    """tools/fp8_checkpoint.py on a model folder: the FP8_DYNAMIC folder, with the files
+    beside the weights (tokenizer, generation config) copied as they are."""
+    from tools import fp8_checkpoint
+
+    ckpt.tiny_llama().save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "tokenizer_config.json").write_text("{}")
+    assert fp8_checkpoint.main(["--model", str(tmp_path / "plain"), "--out", str(tmp_path / "fp8")]) == 0
+    assert (tmp_path / "fp8" / "tokenizer_config.json").read_text() == "{}"
+    scheme = read_scheme(tmp_path / "fp8")
+    assert (scheme.source, scheme.weights, scheme.activations) == ("compressed-tensors", "channel", "token")
+    model, _ = load_model(tmp_path / "fp8", torch.float32, "cpu")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+
+
 def test_per_token_rounding_is_compressed_tensors_own():
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize

@@ -11,7 +11,7 @@ How it computes, once `finalize` has run:
   in place, half the bytes of bf16, by `torch._scaled_mm` (cuBLASLt). Up to
   `MAX_ROWS_UNIT_SCALES` rows with per-token or per-channel scales, the product is taken with
   unit scales into fp32 and the scales applied after (`scale_output`): cuBLASLt's row-wise
-  scaled GEMM reads the weight at ~60 % of the bandwidth there, its tensor-wise one near it;
+  scaled GEMM reads the weight at ~65 % of the bandwidth there, its tensor-wise one near it;
 - on the CPU, and for block weights or weight-only schemes on CUDA: the weight is dequantized
   once at load to the model's dtype, and the input is quantized and dequantized on the fly
   (`fp8.fake_quantize`), so the result is the scheme's, as Hugging Face's own load of the

@@ -1,6 +1,7 @@
 """FP8's accuracy on a real model: perplexity of the default model with its weights as shipped,
-as an FP8_DYNAMIC checkpoint (compressed-tensors, made here by tools/fp8_checkpoint.py), and
-with `quantization: fp8` at load, on a fixed English text that ships with every Python.
+as an FP8_DYNAMIC checkpoint (compressed-tensors, made here by tools/fp8_checkpoint.py), with
+`quantization: fp8` at load, and with an FP8 KV cache (`kv_cache_dtype: fp8`), on a fixed
+English text that ships with every Python.
 
     python3 checks/fp8_perplexity.py [--model DIR] [--tokens 20480] [--window 1024] [--hf]
 
@@ -44,9 +45,10 @@ def text_tokens(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def perplexity(folder: Path, ids: list[int], window: int, quantization: str | None = None) -> float:
+def perplexity(folder: Path, ids: list[int], window: int, quantization: str | None = None,
+               kv_dtype: torch.dtype = torch.float32) -> float:
     model, config = load_model(folder, torch.float32, "cpu", quantization=quantization)
-    caches = allocate_kv_caches(config, -(-window // BLOCK_SIZE), BLOCK_SIZE, torch.float32, "cpu")
+    caches = allocate_kv_caches(config, -(-window // BLOCK_SIZE), BLOCK_SIZE, kv_dtype, "cpu")
     total_nll, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(ids) - 1, window):
@@ -94,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         fp8_dir = Path(tmp) / "fp8_dynamic"
         fp8_checkpoint.main(["--model", str(args.model), "--out", str(fp8_dir), "--preset", "FP8_DYNAMIC"])
-        for name, folder, quantization in (("as shipped", args.model, None),
-                                           ("FP8_DYNAMIC checkpoint", fp8_dir, None),
-                                           ("quantization: fp8 at load", args.model, "fp8")):
+        fp8_kv = torch.float8_e4m3fn
+        for name, folder, quantization, kv_dtype in (
+                ("as shipped", args.model, None, torch.float32),
+                ("FP8_DYNAMIC checkpoint", fp8_dir, None, torch.float32),
+                ("quantization: fp8 at load", args.model, "fp8", torch.float32),
+                ("kv_cache_dtype: fp8 (scales 1.0)", args.model, None, fp8_kv),
+                ("FP8_DYNAMIC checkpoint and kv_cache_dtype: fp8", fp8_dir, None, fp8_kv)):
             start = time.perf_counter()
-            results[name] = perplexity(folder, ids, args.window, quantization)
+            results[name] = perplexity(folder, ids, args.window, quantization, kv_dtype)
             print(f"{name}: perplexity {results[name]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
         if args.hf:
             for name, folder in (("as shipped", args.model), ("FP8_DYNAMIC checkpoint", fp8_dir)):

@@ -73,6 +73,8 @@ DEFAULTS = {
     "kv_cache_free_gpu_mem_fraction": "0.9",
     "kv_cache_cpu_mem_bytes": "",
     "tokens_per_block": "32",
+    # fp8: K/V stored in e4m3, twice the tokens in the same memory (vLLM's name).
+    "kv_cache_dtype": "auto",
     "enable_kv_cache_reuse": "false",
     # NVIDIA's default: the non-streamed output_ids/text start with the prompt.
     "exclude_input_in_output": "false",

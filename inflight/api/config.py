@@ -56,6 +56,11 @@ class KvCacheConfig:
     budget is `free_gpu_memory_fraction` of the memory free after the weights and the runtime
     buffers (measured by a warm-up step at the largest batch), as in TensorRT-LLM; on CPU it
     is `host_memory_bytes`.
+
+    `dtype` (TensorRT-LLM's LLM API name; the pbtxt key is vLLM's `kv_cache_dtype`): `auto`
+    keeps K/V in the model's dtype; `fp8` stores them in e4m3, one byte an element, so twice
+    the tokens fit; each layer's K and V are divided by the checkpoint's `k_scale` / `v_scale`
+    where it has them (ModelOpt, compressed-tensors `kv_cache_scheme`), else by 1.0.
     """
 
     enable_block_reuse: bool = False
@@ -63,6 +68,7 @@ class KvCacheConfig:
     free_gpu_memory_fraction: float = 0.9
     host_memory_bytes: int = 1 << 30
     tokens_per_block: int = 32
+    dtype: str = "auto"  # auto | fp8
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens > 0,
@@ -72,6 +78,7 @@ class KvCacheConfig:
         _check(self.host_memory_bytes > 0, f"host_memory_bytes must be > 0, got {self.host_memory_bytes}")
         _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
                f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
+        _check(self.dtype in ("auto", "fp8"), f"kv_cache_dtype must be auto or fp8, got '{self.dtype}'")
 
 
 @dataclass(frozen=True)

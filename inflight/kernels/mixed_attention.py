@@ -29,6 +29,7 @@ import math
 import torch
 
 from inflight.kernels._common import dot_precision, tl, triton
+from inflight.kernels.kv_cache import cache_bits
 from inflight.kernels.paged_attention import check_paged_inputs, check_query_start_loc, output_like
 from inflight.kernels.prefill_attention import _query_tile, default_tiles
 
@@ -39,11 +40,12 @@ from inflight.kernels.prefill_attention import _query_tile, default_tiles
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
                                             "seq_lens_ptr"])
 def _mixed_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-                  out_ptr, num_rows, num_search_steps, scale_log2,
+                  out_ptr, num_rows, num_search_steps, scale_log2, v_scale,
                   stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
                   stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     # The last row b with start(b) <= tile (start(0) = 0 <= tile).
@@ -56,9 +58,9 @@ def _mixed_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, se
         hi = tl.where(ok, hi, mid - 1)
     tile_m = tile - (tl.load(query_start_loc_ptr + lo) * GROUP // BLOCK_M + lo)
     _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-                lo, kv_head, tile_m, scale_log2,
+                lo, kv_head, tile_m, scale_log2, v_scale,
                 stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
-                stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION)
+                stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION, KV_FP8)
 
 
 def max_query_tiles(num_tokens: int, num_rows: int, group: int, block_m: int) -> int:
@@ -70,9 +72,11 @@ def paged_mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                           out: torch.Tensor | None = None, block_m: int | None = None,
                           block_n: int | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None) -> torch.Tensor:
+                          num_stages: int | None = None, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """`paged_prefill_attention` over a padded step (see the module docstring): the grid comes
-    from q's and seq_lens' shapes alone, so the call can be captured. Returns out [T, Hq, D]."""
+    from q's and seq_lens' shapes alone, so the call can be captured. Returns out [T, Hq, D].
+    An FP8 cache holds K / k_scale and V / v_scale (`kv_cache.store_kv_cache`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_rows = seq_lens.shape[0]
     check_paged_inputs(q, kv_cache, block_tables, seq_lens, block_n or 16)
@@ -85,12 +89,14 @@ def paged_mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     grid = (max_query_tiles(num_tokens, num_rows, group, block_m), num_kv_heads)
+    cache, fp8 = cache_bits(kv_cache)
     _mixed_kernel[grid](
-        q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens, out,
-        num_rows, max(1, (num_rows - 1).bit_length()), scale * math.log2(math.e),
+        q, cache[0], cache[1], block_tables, query_start_loc, seq_lens, out,
+        num_rows, max(1, (num_rows - 1).bit_length()), scale * (k_scale if fp8 else 1.0) * math.log2(math.e),
+        float(v_scale),
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps or dw, num_stages=num_stages or ds)
     return out

@@ -8,7 +8,8 @@ Layouts:
                                  0 marks a padded row, whose output is written as zeros
     out           [B, Hq, D]     q's dtype (may be a strided view)
 D must be a power of two (64, 128, ...); Hq a multiple of Hkv; K/V are cast to q's dtype and
-all accumulation is fp32.
+all accumulation is fp32. An FP8 cache (`kv_cache.py`) is read as e4m3 and widened: its K scale
+folds into the softmax scale and its V scale multiplies the output.
 
 Grid (B, Hkv, P). Program (b, h, p) serves the G = Hq / Hkv query heads that share KV head h,
 so every K/V tile is read once for all G heads: the [G, D] queries (padded to 16 rows, the
@@ -40,6 +41,7 @@ from inflight.kernels._common import (
     tl,
     triton,
 )
+from inflight.kernels.kv_cache import _kv_tile, cache_bits
 
 # Tokens per K/V tile (see NOTES.md): 64 x 128 bf16 = 16 KiB for K and for V per iteration.
 DEFAULT_BLOCK_N = 64
@@ -58,12 +60,12 @@ MAX_PARTITIONS = 64
 @triton.jit(do_not_specialize=["num_partitions", "stride_bt"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
-                   part_lse_ptr, scale_log2, num_partitions,
+                   part_lse_ptr, scale_log2, v_scale, num_partitions,
                    stride_qb, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
                    stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -90,19 +92,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = (block * stride_block + (pos % BLOCK_SIZE) * stride_tok + kv_head * stride_head)
         offs = offs[:, None] + dims[None, :]  # [BLOCK_N, D]
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        k = _kv_tile(k_ptr + offs, valid, KV_FP8).to(q.dtype)  # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = _kv_tile(v_ptr + offs, valid, KV_FP8).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0  # false for an empty partition or a seq_len-0 row
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        result = result * v_scale  # V was stored divided by it (K's scale is in scale_log2)
     if SINGLE:
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -182,9 +186,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_partitions: int = 1, workspace: DecodeWorkspace | None = None,
                            block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b over row b's first seq_lens[b] cached
-    tokens, K/V of KV head h // (Hq / Hkv). Returns `out` (allocated if None).
+    tokens, K/V of KV head h // (Hq / Hkv). Returns `out` (allocated if None). An FP8 cache
+    holds K / k_scale and V / v_scale (`kv_cache.store_kv_cache`).
 
     With num_partitions > 1 a `workspace` is needed for a CUDA graph (else one is allocated).
     No host sync, so with fixed tensors and P the call can be captured.
@@ -213,14 +218,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                              f"{workspace.num_q_heads}x{workspace.head_dim} cannot hold "
                              f"{num_seqs}x{num_partitions} of {num_q_heads}x{head_dim}")
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
+    cache, fp8 = cache_bits(kv_cache)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), num_partitions,
+        q, cache[0], cache[1], block_tables, seq_lens, out, part_out, part_lse,
+        scale * (k_scale if fp8 else 1.0) * math.log2(math.e), float(v_scale), num_partitions,
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE=single, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages)
     if not single:
         _reduce_kernel[(num_seqs, num_q_heads)](
             part_out, part_lse, out, num_partitions, out.stride(0), out.stride(1),
@@ -243,7 +249,7 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tl.dot dimension), got {n}")
     check_float("q", q)
-    check_float("kv_cache", kv_cache)
+    cache_bits(kv_cache)  # a float or FP8 cache
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("kv_cache", kv_cache)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:

@@ -29,6 +29,7 @@ import torch
 
 from inflight.intmath import cdiv
 from inflight.kernels._common import dot_precision, tl, triton
+from inflight.kernels.kv_cache import _kv_tile, cache_bits
 from inflight.kernels.paged_attention import check_paged_inputs, check_query_start_loc, output_like
 
 
@@ -36,7 +37,7 @@ from inflight.kernels.paged_attention import check_paged_inputs, check_query_sta
 def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, key_lo, key_hi,
                  stride_block, stride_tok, scale_log2,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Online-softmax update over key tiles [key_lo, key_hi) (key_lo a multiple of BLOCK_N)."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -45,7 +46,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
         valid = pos < seq_len
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = (block * stride_block + (pos % BLOCK_SIZE) * stride_tok + kv_off)[:, None] + dims[None, :]
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        k = _kv_tile(k_ptr + offs, valid, KV_FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -53,7 +54,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = _kv_tile(v_ptr + offs, valid, KV_FP8).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -61,11 +62,12 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
 
 @triton.jit
 def _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-                row, kv_head, tile_m, scale_log2,
+                row, kv_head, tile_m, scale_log2, v_scale,
                 stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
                 stride_ot, stride_oh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                KV_FP8: tl.constexpr):
     """Folded tile `tile_m` of row `row`, KV head `kv_head` (see the module docstring); a tile
     past the row's queries stores nothing."""
     q_start = tl.load(query_start_loc_ptr + row)
@@ -100,11 +102,13 @@ def _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_
     kv_off = kv_head * stride_head
     acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len,
                                  0, full_hi, stride_block, stride_tok, scale_log2,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION, KV_FP8)
     acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len,
                                  full_hi, key_hi, stride_block, stride_tok, scale_log2,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION, KV_FP8)
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        result = result * v_scale  # V was stored divided by it (K's scale is in scale_log2)
     o_offs = token[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=r_valid[:, None])
 
@@ -115,16 +119,17 @@ def _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
                                             "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-                    out_ptr, scale_log2,
+                    out_ptr, scale_log2, v_scale,
                     stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                    KV_FP8: tl.constexpr):
     tile_m = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest tiles first
     _query_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-                tl.program_id(0), tl.program_id(1), tile_m, scale_log2,
+                tl.program_id(0), tl.program_id(1), tile_m, scale_log2, v_scale,
                 stride_qt, stride_qh, stride_block, stride_tok, stride_head, stride_bt,
-                stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION)
+                stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION, KV_FP8)
 
 
 def default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
@@ -142,8 +147,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
                       scale: float, out: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each row's new queries over its cached context; returns out [T, Hq, D].
+    An FP8 cache holds K / k_scale and V / v_scale (`kv_cache.store_kv_cache`).
 
     `max_query_len` (a host int, >= every row's q_len: the scheduler knows it) sizes the grid;
     rows with fewer queries leave their extra tiles idle. No host sync.
@@ -160,12 +167,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     num_m_tiles = cdiv(max_query_len * group, block_m)
+    cache, fp8 = cache_bits(kv_cache)
     _prefill_kernel[(num_seqs, num_kv_heads, num_m_tiles)](
-        q, kv_cache[0], kv_cache[1], block_tables, query_start_loc, seq_lens, out,
-        scale * math.log2(math.e),
+        q, cache[0], cache[1], block_tables, query_start_loc, seq_lens, out,
+        scale * (k_scale if fp8 else 1.0) * math.log2(math.e), float(v_scale),
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps or dw, num_stages=num_stages or ds)
     return out

@@ -114,6 +114,9 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(hidden, self.sizes[2], bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.backend = backend
+        # (k_scale, v_scale): an FP8 KV cache holds K and V divided by them (the checkpoint's,
+        # set by the loader, else 1.0); a cache in the model's dtype ignores them.
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
@@ -128,7 +131,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.apply_rotary(q, k, rope)
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)  # [T, Hq, D]
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
 
 

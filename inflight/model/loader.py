@@ -12,6 +12,7 @@ With tensor parallelism each rank reads only its shard of every tensor (safetens
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, MutableMapping
@@ -198,8 +199,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, where, get_tensor in _checkpoint_tensors(model_dir, weights, tp):
-        if name.endswith(_IGNORED_SUFFIXES) or scheme is not None and scheme.kv_cache and name.endswith(KV_SCALE_SUFFIXES):
-            continue  # KV-cache scales: the cache stays in the model's dtype
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if scheme is not None and scheme.kv_cache and name.endswith(KV_SCALE_SUFFIXES):
+            _set_kv_scale(model, name, get_tensor())  # used where the KV cache is FP8
+            continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the head is the embedding matrix
         if name not in expected:
@@ -247,9 +251,23 @@ def _use_cpu_gemm_layout(model: LlamaForCausalLM) -> None:
                                              requires_grad=False)
 
 
+def _set_kv_scale(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> None:
+    """A layer's `k_scale` / `v_scale` (ModelOpt: `self_attn.k_proj.k_scale`; compressed-tensors:
+    `self_attn.k_scale`) into its attention's `kv_scales`."""
+    match = re.search(r"layers\.(\d+)\.", name)
+    if match is None or tensor.numel() != 1:
+        raise ValueError(f"KV-cache scale {name}: expected one value of a decoder layer, got shape "
+                         f"{tuple(tensor.shape)}")
+    attn = model.model.layers[int(match[1])].self_attn
+    k_scale, v_scale = attn.kv_scales
+    value = float(tensor.float())
+    attn.kv_scales = (value, v_scale) if name.endswith(".k_scale") else (k_scale, value)
+
+
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (`dtype`:
+    the model's, or `torch.float8_e4m3fn` for an FP8 cache).
 
     Zeroed, not empty: attention backends read whole blocks and rely on unwritten slots being
     finite (masked weights are exactly zero, but 0 * NaN is NaN).

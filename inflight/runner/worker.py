@@ -92,6 +92,8 @@ class Worker:
         self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
             self.device, config.enable_chunked_context)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # K/V in e4m3 with kv_cache_dtype fp8 (twice the tokens per byte), else the model's dtype.
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_config.dtype == "fp8" else self.dtype
         extra = {"weights": weights} if weights is not None else {}
         if self.tp.is_parallel:
             extra["tp"] = self.tp
@@ -120,14 +122,14 @@ class Worker:
         # Peak device memory of the largest step, weights included (0: not measured, on CPU).
         self.peak_step_bytes = self._profile_peak_memory(config) if self.device.type == "cuda" else 0
         self.num_blocks = self._num_kv_blocks(config, self.peak_step_bytes)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.graph_runner is not None:
             # Ranks must agree on graphs or eager (their collectives pair up): no fallback.
             self._capture_graphs(explicit=perf.cuda_graph_mode is True or self.tp.is_parallel)
         if self.device.type == "cuda" and backend_name == "triton":
             precompile(self)  # every kernel variant a step can need: no JIT stall mid-serving
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
-                    "overlap %s)", self.num_blocks, self.block_size, self.dtype, self.device,
+                    "overlap %s)", self.num_blocks, self.block_size, self.kv_dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
 
     def _capture_graphs(self, explicit: bool) -> None:
@@ -235,6 +237,8 @@ class Worker:
         source = to_device(torch.tensor([s for s, _ in copies], dtype=torch.int64), self.device)
         destination = to_device(torch.tensor([d for _, d in copies], dtype=torch.int64), self.device)
         for cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            if cache.dtype == torch.float8_e4m3fn:
+                cache = cache.view(torch.uint8)  # index_copy_ has no FP8 kernels
             cache.index_copy_(1, destination, cache.index_select(1, source))
 
     def _share_sampled_ids(self, num_sampled: int) -> None:
@@ -257,7 +261,7 @@ class Worker:
     # ----- start-up: warm-up and KV cache sizing --------------------------------------------------
 
     def _num_kv_blocks(self, config: ExecutorConfig, peak_bytes: int) -> int:
-        num_blocks = num_kv_blocks(config, self.shard_config, self.dtype, self.block_size,
+        num_blocks = num_kv_blocks(config, self.shard_config, self.kv_dtype, self.block_size,
                                    self.max_seq_len, self.device, peak_bytes)
         return self.tp.min_over_ranks(num_blocks)  # rank 0 schedules what every rank holds
 
@@ -277,7 +281,7 @@ class Worker:
         batch, rows = warm_up_batch(max_batch_size, max_num_tokens, self.max_seq_len,
                                     self.model_config.vocab_size, self.block_size, self.device)
         real_caches, runner = self.kv_caches, self.graph_runner
-        self.kv_caches = allocate_kv_caches(self.shard_config, 1, self.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.shard_config, 1, self.block_size, self.kv_dtype,
                                             self.device)
         self.graph_runner = None  # graphs hold the real cache's addresses: stay eager
         try:

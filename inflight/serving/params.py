@@ -111,6 +111,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         free_gpu_memory_fraction=get_float(params, "kv_cache_free_gpu_mem_fraction", 0.9),
         host_memory_bytes=get_int(params, "kv_cache_cpu_mem_bytes", KvCacheConfig.host_memory_bytes),
         tokens_per_block=get_int(params, "tokens_per_block", KvCacheConfig.tokens_per_block),
+        dtype=params.get("kv_cache_dtype") or KvCacheConfig.dtype,
     )
     return ExecutorConfig(
         max_beam_width=get_int(params, "max_beam_width", 1),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig
+from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig
 from inflight.engine.llm_engine import LLMEngine
 from inflight.model.quantization import Fp8Linear, Fp8Scheme, fp8
 from inflight.model.quantization.linear import MAX_ROWS_UNIT_SCALES
@@ -96,3 +96,39 @@ def test_engine_with_graphs_and_triton_kernels_gives_the_cpu_engines_tokens(fold
                 assert float(top2[0] - top2[1]) <= E4M3_STEP * float(rec.logits[step].abs().max()), (tokens, ref)
                 break
     cuda.close()
+
+
+def test_engine_with_an_fp8_kv_cache_and_graphs_decodes_the_rounded_values(folders, monkeypatch):
+    """kv_cache_dtype fp8 on CUDA (store, decode, prefill and mixed kernels, CUDA graphs)
+    against the same engine whose fp32 cache gets K/V rounded through e4m3: the same values,
+    so greedy tokens part only at a tie within fp32 noise."""
+    from tests.model.test_fp8_kv_cache import fake_quantize_writes
+    from tests.model.tolerances import fp32_noise_bound
+
+    prompts = [PROMPT, [1, 5, 9], list(range(3, 30))]
+    graphs = ExtendedRuntimePerfKnobConfig(cuda_graph_mode=True)
+
+    def engine(kv_dtype):
+        kv = KvCacheConfig(max_tokens=4096, tokens_per_block=16, dtype=kv_dtype)
+        return LLMEngine.from_dir(folders["plain"], ExecutorConfig(
+            device="cuda", dtype="float32", kv_cache_config=kv, extended_runtime_perf_knob_config=graphs))
+
+    recorders = [RecordLogits() for _ in prompts]
+    with monkeypatch.context() as patch:
+        fake_quantize_writes(patch, "triton")
+        reference = engine("auto")
+        refs = [output_tokens(r) for r in run(reference, [gen_request(p, 12, logits_processor=rec)
+                                                           for p, rec in zip(prompts, recorders)])]
+        reference.close()
+    fp8_engine = engine("fp8")
+    assert fp8_engine.worker.kv_caches[0].dtype == torch.float8_e4m3fn
+    for ref, rec, responses in zip(refs, recorders, run(fp8_engine, [gen_request(p, 12) for p in prompts])):
+        tokens = output_tokens(responses)
+        for step, (a, b) in enumerate(zip(tokens, ref)):
+            if a != b:
+                logits = rec.logits[step].float()
+                top2 = logits.topk(2).values
+                noise = fp32_noise_bound(3, 64, float(logits.abs().max()))
+                assert float(top2[0] - top2[1]) <= 2 * noise, (tokens, ref)
+                break
+    fp8_engine.close()

@@ -14,7 +14,7 @@ from inflight.kernels.prefill_attention import _prefill_kernel
 def _decode_args(tables: torch.Tensor, seq_lens: torch.Tensor, num_partitions: int) -> tuple:
     q = torch.zeros(4, 8, 64)
     k = torch.zeros(16, 16, 2, 64)
-    return (q, k, k, tables, seq_lens, q, q, q, 0.1, num_partitions,
+    return (q, k, k, tables, seq_lens, q, q, q, 0.1, 1.0, num_partitions,
             512, 64, 2048, 128, 64, tables.stride(0), 512, 64)
 
 
@@ -22,7 +22,7 @@ def _decode_key(tables, seq_lens, num_partitions):
     return jit_stats.specialization_key(
         _decode_kernel, _decode_args(tables, seq_lens, num_partitions),
         dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_N=64, SINGLE=False,
-             PRECISION="ieee", num_warps=4, num_stages=2))
+             PRECISION="ieee", KV_FP8=False, num_warps=4, num_stages=2))
 
 
 def test_decode_key_ignores_table_width_partitions_and_metadata_alignment():
@@ -44,9 +44,10 @@ def test_prefill_and_reduce_keys_ignore_per_step_values():
         tables = pool[offset:offset + 3 * width].view(3, width)
         qsl, lens = pool[offset + 1000:offset + 1004], pool[offset + 2000:offset + 2003]
         keys.add(jit_stats.specialization_key(
-            _prefill_kernel, (q, k, k, tables, qsl, lens, q, 0.1, 512, 64, 2048, 128, 64,
+            _prefill_kernel, (q, k, k, tables, qsl, lens, q, 0.1, 1.0, 512, 64, 2048, 128, 64,
                               tables.stride(0), 512, 64),
-            dict(GROUP=4, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32, PRECISION="ieee")))
+            dict(GROUP=4, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=32, PRECISION="ieee",
+                 KV_FP8=False)))
     for num_partitions in (2, 16, 33):
         reduce_keys.add(jit_stats.specialization_key(
             _reduce_kernel, (q, q, q, num_partitions, 512, 64), dict(HEAD_DIM=64, PART_PAD=64)))

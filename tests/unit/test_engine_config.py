@@ -44,6 +44,16 @@ def test_quantization_parameter():
     assert 'key: "quantization"\n  value: { string_value: "${quantization}" }' in template
 
 
+def test_kv_cache_dtype_parameter():
+    """`kv_cache_dtype` (vLLM's name; TensorRT-LLM's LLM API: KvCacheConfig.dtype)."""
+    assert params.executor_config({"kv_cache_dtype": "fp8"}).kv_cache_config.dtype == "fp8"
+    assert params.executor_config({"kv_cache_dtype": ""}).kv_cache_config.dtype == "auto"
+    from tools import build_repository
+    assert build_repository.DEFAULTS["kv_cache_dtype"] == "auto"
+    template = (TOOLS.parent / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'key: "kv_cache_dtype"\n  value: { string_value: "${kv_cache_dtype}" }' in template
+
+
 @pytest.mark.parametrize("text, value", [("auto", None), ("AUTO", None), ("true", True), ("0", False)])
 def test_auto_knobs_read_both_ways(text, value):
     config = params.executor_config({"cuda_graph_mode": text, "enable_overlap_scheduler": text,
@@ -78,6 +88,7 @@ def test_builder_renders_the_declared_defaults():
     ({"cuda_graph_cache_size": "-1"}, "cuda_graph_cache_size must be >= 0, got -1"),
     ({"cuda_graph_cache_size": "all"}, "parameter cuda_graph_cache_size must be an integer"),
     ({"quantization": "int4"}, "quantization must be fp8 or unset, got 'int4'"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be auto or fp8, got 'int8'"),
 ])
 def test_bad_knobs_fail_with_the_parameter_named(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,7 +5,7 @@ Life of a step with backend `b`:
     b.reserve(limits)                                            # once, at start-up
     step = StepMetadata.build(rows, block_size, device, ...)     # once per step, host -> device
     meta = b.build_metadata(step)                                # once per step, backend-private
-    out = b.forward(q, k, v, kv_cache, meta, scale)              # every layer
+    out = b.forward(q, k, v, kv_cache, meta, scale, kv_scales)   # every layer
 
 Under CUDA graphs (decode steps; mixed steps below) the graph runner instead, once at start-up,
     b.init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
@@ -102,9 +102,11 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, scale: float) -> torch.Tensor:
+                metadata: Any, scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D]
-        -> [T, Hq, D]; `metadata` comes from `build_metadata` or `graph_metadata`."""
+        -> [T, Hq, D]; `metadata` comes from `build_metadata` or `graph_metadata`. An FP8
+        cache (`torch.float8_e4m3fn`) stores K / kv_scales[0] and V / kv_scales[1] in e4m3 and
+        attends over them scaled back; a cache in a float dtype ignores `kv_scales`."""
 
     # ----- CUDA-graph hooks (decode steps: T = B, one token per row) ---------------------------
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from inflight.model.attention.base import AttentionBackend
 from inflight.model.attention.metadata import StepMetadata
+from inflight.model.quantization.fp8 import FP8 as KV_FP8
+from inflight.model.quantization.fp8 import to_fp8
 from inflight.platform import pack_to_device
 
 
@@ -106,9 +108,14 @@ _DEVICE_FIELDS = (("token_indices", torch.int64), ("block_ids", torch.int64),
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Stores k, v [T, Hkv, D] into `kv_cache` [2, num_blocks, block_size, Hkv, D] at slots [T]."""
+                   slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Stores k, v [T, Hkv, D] into `kv_cache` [2, num_blocks, block_size, Hkv, D] at slots [T]
+    (an FP8 cache: k / kv_scales[0] and v / kv_scales[1] in e4m3, through their uint8 bits)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.dtype == KV_FP8:
+        k, v = (to_fp8(x.float(), torch.tensor(s, device=x.device)).view(torch.uint8)
+                for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
+        kv_cache = kv_cache.view(torch.uint8)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
@@ -133,28 +140,35 @@ class TorchPagedAttention(AttentionBackend):
         return TorchAttentionMetadata(step.slot_mapping, [AttentionGroup(**g) for g in groups])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+                metadata: TorchAttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        if kv_cache.dtype != KV_FP8:
+            kv_scales = (1.0, 1.0)
         groups = metadata.groups
         if len(groups) == 1 and groups[0].token_indices is None:
-            return self._attend_group(q, kv_cache, groups[0], scale)
+            return self._attend_group(q, kv_cache, groups[0], scale, kv_scales)
         out = torch.empty_like(q)  # [T, Hq, D]
         for group in groups:
             group_q = q.index_select(0, group.token_indices)  # [Tg, Hq, D]
-            out.index_copy_(0, group.token_indices, self._attend_group(group_q, kv_cache, group, scale))
+            out.index_copy_(0, group.token_indices,
+                            self._attend_group(group_q, kv_cache, group, scale, kv_scales))
         return out
 
     @staticmethod
     def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
-                      scale: float) -> torch.Tensor:
+                      scale: float, kv_scales: tuple[float, float]) -> torch.Tensor:
         """q [Tg, Hq, D] -> [Tg, Hq, D] for the rows of `group`.
 
         GQA without copying K/V per q head: the G = Hq / Hkv q heads that share a KV head are
         folded into the query-length axis ([Bg, Hkv, Q * G, D]), so one SDPA call reads each
         cached K/V once (the KV head h serves q heads h * G .. h * G + G - 1, as HF's
         `repeat_kv`). The fold only reorders rows of the score matrix, so results equal the
-        expanded form up to kernel tiling.
+        expanded form up to kernel tiling. An FP8 cache's e4m3 values widen exactly; as in the
+        kernels, K's scale joins the softmax scale and V's multiplies the output.
         """
+        k_scale, v_scale = kv_scales
+        scale = scale * k_scale
         num_tokens, num_q_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         group_size = num_q_heads // num_kv_heads
@@ -173,7 +187,8 @@ class TorchPagedAttention(AttentionBackend):
             query = q.reshape(num_rows, num_kv_heads, group_size, head_dim)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=group.attn_mask,
                                                  scale=scale)  # [Bg, Hkv, G, D]
-            return out.reshape(num_tokens, num_q_heads, head_dim)
+            out = out.reshape(num_tokens, num_q_heads, head_dim)
+            return out if v_scale == 1.0 else out.mul_(v_scale)
 
         padded = q.new_zeros(num_rows * max_query_len, num_q_heads, head_dim)
         padded.index_copy_(0, group.padded_query_index, q)
@@ -186,4 +201,5 @@ class TorchPagedAttention(AttentionBackend):
                                              scale=scale)  # [Bg, Hkv, Q * G, D]
         out = (out.view(num_rows, num_kv_heads, max_query_len, group_size, head_dim)
                .transpose(1, 2).reshape(num_rows * max_query_len, num_q_heads, head_dim))
-        return out.index_select(0, group.padded_query_index)  # [Tg, Hq, D]
+        out = out.index_select(0, group.padded_query_index)  # [Tg, Hq, D]
+        return out if v_scale == 1.0 else out.mul_(v_scale)

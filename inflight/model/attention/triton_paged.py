@@ -109,15 +109,18 @@ class TritonPagedAttention(AttentionBackend):
                                        fixed_grid=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
-        kernels.store_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+                metadata: TritonAttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        k_scale, v_scale = kv_scales  # used by an FP8 cache only
+        kernels.store_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.fixed_grid:
             return kernels.paged_mixed_attention(q, kv_cache, metadata.block_tables,
-                                                 metadata.query_start_loc, metadata.seq_lens, scale)
+                                                 metadata.query_start_loc, metadata.seq_lens, scale,
+                                                 k_scale=k_scale, v_scale=v_scale)
         if not metadata.is_decode:
             return kernels.paged_prefill_attention(
                 q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-                metadata.max_query_len, scale)
+                metadata.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
         num_partitions = metadata.num_partitions
         workspace = self.workspace
         if num_partitions > 1 and (workspace is None or workspace.num_q_heads != q.shape[1]
@@ -125,7 +128,7 @@ class TritonPagedAttention(AttentionBackend):
             workspace = None  # unreserved or beyond the reserved limits: allocated per call
         return kernels.paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens,
                                               scale, num_partitions=num_partitions,
-                                              workspace=workspace)
+                                              workspace=workspace, k_scale=k_scale, v_scale=v_scale)
 
     def _num_partitions(self, num_rows: int, max_context_len: int) -> int:
         """Split-K partitions for a decode step (1 when unreserved or multi_block is off)."""

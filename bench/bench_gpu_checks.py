@@ -4,7 +4,7 @@
     python3 bench/bench_gpu_checks.py jit        # ~3 min on an H100: JIT compiles after start-up
     python3 bench/bench_gpu_checks.py profile    # ~3 min: per-kernel GPU time per decode step
     python3 bench/bench_gpu_checks.py jit --device cpu --shapes tiny   # a dry run on a CPU
-    python3 bench/bench_gpu_checks.py jit --quantization fp8           # the FP8 engine's kernels
+    python3 bench/bench_gpu_checks.py jit --quantization fp8 --kv-cache-dtype fp8   # FP8 engine
 
 `jit`: starts the engine as bench_gpu.py does (Triton kernels, CUDA graphs, overlap), counting
 Triton compiles during start-up, then serves a mixed workload (batch 1; 64 mixed-length
@@ -39,10 +39,11 @@ from inflight.kernels import jit_stats
 
 
 def start_engine(shape: str, device: torch.device, max_batch: int, max_seq_len: int,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """`start_random_engine`, counting the Triton compiles of its start-up."""
     compiles = jit_stats.CompileLog()
     overrides = {"quantization": quantization} if quantization else {}
+    overrides["kv_cache_dtype"] = kv_cache_dtype
     engine, vocab, startup_s = start_random_engine(shape, device, max_batch, max_seq_len, compiles, **overrides)
     startup = {"startup_s": round(startup_s, 2),
                "startup_compiles": len(compiles.events),
@@ -90,7 +91,8 @@ def serve(engine, phases: list[tuple[str, list[tuple[int, list[int], int]]]], rn
 
 
 def jit_check(shape: str, device: torch.device, args) -> dict:
-    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization)
+    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization,
+                                      args.kv_cache_dtype)
     log(f"== {shape}: {json.dumps(out)}; variants held {jit_stats.num_compiled()}")
     rng = random.Random(1)
     long = min(args.max_seq_len // 2, 600)
@@ -124,7 +126,8 @@ def jit_check(shape: str, device: torch.device, args) -> dict:
 # ----- profile -----------------------------------------------------------------------------
 
 def profile(shape: str, device: torch.device, args) -> dict:
-    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization)
+    engine, vocab, out = start_engine(shape, device, args.max_batch, args.max_seq_len, args.quantization,
+                                      args.kv_cache_dtype)
     log(f"== {shape}: {json.dumps(out)}")
     out["batches"] = []
     for batch in args.batches:
@@ -153,6 +156,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per batch")
     parser.add_argument("--quantization", choices=["fp8"], help="the engine's quantization at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu_checks")
     args = parser.parse_args()
     device = open_device(args.device)

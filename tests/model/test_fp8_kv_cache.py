@@ -36,6 +36,8 @@ from tests.model.test_fp8_checkpoints import PROMPT  # noqa: E402
 from tests.model.tolerances import fp32_noise_bound, logits_tolerance  # noqa: E402
 
 FP8_KV = torch.float8_e4m3fn
+# The Triton kernels run compiled where there is CUDA, else under the interpreter on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def folders(tmp_path_factory):
 
 
 def _round_through_e4m3(k, v, kv_scales):
-    return (fp8.to_fp8(x.float(), torch.tensor(scale)).float() * scale
+    return (fp8.to_fp8(x.float(), torch.tensor(scale, device=x.device)).float() * scale
             for x, scale in ((k, kv_scales[0]), (v, kv_scales[1])))
 
 
@@ -79,18 +81,18 @@ def fake_quantized_writes(monkeypatch):
 def _logits(folder, backend: str, kv_dtype: torch.dtype) -> torch.Tensor:
     """Logits of a prefill of PROMPT's first half, then of its second half as a chunk that
     reads the first half back from the cache (so the cached K/V are what it attends over)."""
-    model, config = load_model(folder, torch.float32, "cpu", backend)
+    model, config = load_model(folder, torch.float32, DEVICE, backend)
     model.attention_backend.reserve(AttentionLimits(
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, max_num_seqs=2,
-        max_seq_len=64, device=torch.device("cpu")))
-    caches = allocate_kv_caches(config, 8, 16, kv_dtype, "cpu")
+        max_seq_len=64, device=DEVICE))
+    caches = allocate_kv_caches(config, 8, 16, kv_dtype, DEVICE)
     half = len(PROMPT) // 2
     out = []
     with torch.no_grad():
         for start, ids in ((0, PROMPT[:half]), (half, PROMPT[half:])):
-            meta = StepMetadata.build([(start, len(ids), [0])], 16, "cpu", input_ids=ids)
+            meta = StepMetadata.build([(start, len(ids), [0])], 16, DEVICE, input_ids=ids)
             hidden = model(meta.input_ids, meta.positions, caches, model.attention_backend.build_metadata(meta))
-            out.append(model.compute_logits(hidden))
+            out.append(model.compute_logits(hidden).cpu())
     return torch.cat(out)
 
 

@@ -19,7 +19,8 @@ def test_store_matches_reference(gen, kv_dtype, cache_dtype, slot_dtype):
     device = gen.device
     cache = randn((2, num_blocks, block_size, hkv, d), cache_dtype, gen)
     # Seven distinct slots in random blocks, the last block's last slot, and two padded rows.
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:7]
+    # (Drawn from the other slots: a slot written twice in one call holds either row.)
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen, device=device)[:7]
     slots = torch.cat([slots, torch.tensor([num_blocks * block_size - 1, -1, -1], device=device)])
     slots = slots[torch.randperm(len(slots), generator=gen, device=device)].to(slot_dtype)
     # k, v as views of one fused [T, (Hq + 2 Hkv) * D] projection (strided rows).

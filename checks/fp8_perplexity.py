@@ -1,5 +1,5 @@
 """FP8's accuracy on a real model: perplexity of the default model with its weights as shipped,
-as an FP8_DYNAMIC checkpoint (compressed-tensors, made here by tools/fp8_checkpoint.py), with
+as an FP8_DYNAMIC checkpoint (compressed-tensors, made here by tools/quantized_checkpoint.py), with
 `quantization: fp8` at load, and with an FP8 KV cache (`kv_cache_dtype: fp8`), on a fixed
 English text that ships with every Python.
 
@@ -28,7 +28,7 @@ import torch
 
 from inflight.model.attention import StepMetadata
 from inflight.model.loader import allocate_kv_caches, load_model
-from tools import fp8_checkpoint
+from tools import quantized_checkpoint
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2-135m-instruct"
 BLOCK_SIZE = 16
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         fp8_dir = Path(tmp) / "fp8_dynamic"
-        fp8_checkpoint.main(["--model", str(args.model), "--out", str(fp8_dir), "--preset", "FP8_DYNAMIC"])
+        quantized_checkpoint.main(["--model", str(args.model), "--out", str(fp8_dir), "--preset", "FP8_DYNAMIC"])
         fp8_kv = torch.float8_e4m3fn
         for name, folder, quantization, kv_dtype in (
                 ("as shipped", args.model, None, torch.float32),

@@ -24,8 +24,9 @@ from torch import nn
 from inflight.distributed.group import TensorParallel
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
-from inflight.model.quantization import (FP8, KV_SCALE_SUFFIXES, SCALE_SUFFIXES, finalize_linears,
-                                         fuse_input_quantization, quantize_linears, scheme_for)
+from inflight.model.quantization import (FP8, KV_SCALE_SUFFIXES, RESHAPED_SUFFIXES, SCALE_SUFFIXES,
+                                         finalize_linears, fuse_input_quantization, quantize_linears,
+                                         scheme_for)
 from inflight.model.sharding import Shard, check_divisible, shard_for
 from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
@@ -89,10 +90,11 @@ def _set_tensor(model: nn.Module, target: _Target, tensor: torch.Tensor) -> None
 
 
 def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a checkpoint tensor is kept in: FP8 weights as they are, quantization scales
-    in fp32, everything else in the model's `dtype`."""
-    if tensor.dtype == FP8:
-        return FP8
+    """The dtype a checkpoint tensor is kept in: FP8 weights and integer tensors (packed
+    weights, zero points, shapes) as they are, quantization scales in fp32, everything else
+    in the model's `dtype`."""
+    if tensor.dtype == FP8 or not tensor.dtype.is_floating_point:
+        return tensor.dtype
     return torch.float32 if name.endswith(SCALE_SUFFIXES) else dtype
 
 
@@ -170,8 +172,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
                quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Loads a Llama/Mistral/Qwen2 checkpoint for inference.
 
-    An FP8 checkpoint (its format read from the folder, `inflight.model.quantization`) loads
-    into `Fp8Linear` projections; `quantization="fp8"` quantizes an unquantized one at load.
+    A quantized checkpoint (its format read from the folder, `inflight.model.quantization`)
+    loads into `Fp8Linear` or `Int4Linear` projections; `quantization="fp8"` quantizes an
+    unquantized one at load.
 
     The tensors come from the folder's safetensors files, or from `weights` (HF names, e.g. a
     random model built on the GPU for a benchmark; its entries are consumed) next to the
@@ -210,7 +213,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
             unexpected.append(name)
             continue
         tensor = get_tensor()
-        if tensor.shape != expected[name].shape and not (name.endswith(SCALE_SUFFIXES)
+        if tensor.shape != expected[name].shape and not (name.endswith(RESHAPED_SUFFIXES)
                                                           and tensor.numel() == expected[name].shape.numel()):
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {where}, "
                              f"expected {tuple(expected[name].shape)} from config.json")

@@ -1,7 +1,7 @@
 """Tiny FP8 checkpoints in the formats people download, and the references to check them by.
 
 compressed-tensors folders are made by the `compressed-tensors` package itself (the library
-llm-compressor writes with), through `tools/fp8_checkpoint.py`: its scheme presets are applied
+llm-compressor writes with), through `tools/quantized_checkpoint.py`: its scheme presets are applied
 to a tiny random Llama, the scales are computed with its own `calculate_qparams` (static input
 scales from activations observed on calibration tokens, as an observer does), and its
 `ModelCompressor` writes the folder. Hugging
@@ -24,7 +24,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tools import fp8_checkpoint
+from tools import quantized_checkpoint
 from tools.checkpoints import TINY_COMMON, tiny_hf_model
 
 FP8 = torch.float8_e4m3fn
@@ -43,8 +43,8 @@ def tiny_llama(common: dict = TINY_COMMON) -> torch.nn.Module:
 
 def save_compressed_tensors(preset: str, path: Path, common: dict = TINY_COMMON) -> Path:
     """A compressed-tensors `float-quantized` folder of the preset (FP8, FP8_DYNAMIC, FP8_BLOCK)
-    of the tiny model, written by `tools/fp8_checkpoint.py` (the compressed-tensors package)."""
-    return fp8_checkpoint.save(tiny_llama(common), path, preset, CALIBRATION)
+    of the tiny model, written by `tools/quantized_checkpoint.py` (the compressed-tensors package)."""
+    return quantized_checkpoint.save(tiny_llama(common), path, preset, CALIBRATION)
 
 
 def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,7 @@ def save_modelopt(path: Path, kv_scales: bool = True) -> Path:
     """A ModelOpt FP8 folder: per-tensor weight and input scales (q/k/v's deliberately differ),
     k/v cache scales, `hf_quant_config.json` and the `config.json` form."""
     model = tiny_llama()
-    amax = fp8_checkpoint.input_amax(model, CALIBRATION)
+    amax = quantized_checkpoint.input_amax(model, CALIBRATION)
     tensors = {}
     for name, param in model.state_dict().items():
         module = name.rpartition(".")[0]
@@ -91,7 +91,7 @@ def save_hf_fp8(path: Path) -> Path:
     """Hugging Face's fine-grained FP8: 128x128 weight blocks scaled by `weight_scale_inv`."""
     model = tiny_llama(BLOCK_COMMON)
     tensors = {}
-    linears = {name for name, _ in fp8_checkpoint.linears(model)}
+    linears = {name for name, _ in quantized_checkpoint.linears(model)}
     for name, param in model.state_dict().items():
         module = name.rpartition(".")[0]
         if module in linears and name.endswith(".weight"):
@@ -136,7 +136,7 @@ def hand_written_reference(path: Path, quantize_input) -> torch.nn.Module:
         if value.dtype != FP8 and not name.endswith(("_scale", "_scale_inv")):
             state[name] = value.float()
     model.load_state_dict(state, strict=False)
-    for name, module in fp8_checkpoint.linears(model):
+    for name, module in quantized_checkpoint.linears(model):
         q = tensors[f"{name}.weight"].float()
         if f"{name}.weight_scale_inv" in tensors:
             scale = tensors[f"{name}.weight_scale_inv"].float()

@@ -140,13 +140,13 @@ def test_quantization_fp8_at_load(tmp_path):
 
 
 def test_fp8_checkpoint_tool_writes_a_folder_that_serves(tmp_path):
-    """tools/fp8_checkpoint.py on a model folder: the FP8_DYNAMIC folder, with the files
+    """tools/quantized_checkpoint.py on a model folder: the FP8_DYNAMIC folder, with the files
     beside the weights (tokenizer, generation config) copied as they are."""
-    from tools import fp8_checkpoint
+    from tools import quantized_checkpoint
 
     ckpt.tiny_llama().save_pretrained(tmp_path / "plain")
     (tmp_path / "plain" / "tokenizer_config.json").write_text("{}")
-    assert fp8_checkpoint.main(["--model", str(tmp_path / "plain"), "--out", str(tmp_path / "fp8")]) == 0
+    assert quantized_checkpoint.main(["--model", str(tmp_path / "plain"), "--out", str(tmp_path / "fp8")]) == 0
     assert (tmp_path / "fp8" / "tokenizer_config.json").read_text() == "{}"
     scheme = read_scheme(tmp_path / "fp8")
     assert (scheme.source, scheme.weights, scheme.activations) == ("compressed-tensors", "channel", "token")
@@ -184,9 +184,9 @@ def test_packed_per_tensor_parts_rescale_to_the_largest_scale():
 
 @pytest.mark.parametrize("edit, message", [
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
-    ({"format": "pack-quantized", "config_groups": {"group_0": {"format": "pack-quantized", "targets": ["Linear"],
-                                                                 "weights": {"num_bits": 4, "type": "int"}}}},
-     "format is 'pack-quantized'"),
+    ({"format": "marlin-24", "config_groups": {"group_0": {"format": "marlin-24", "targets": ["Linear"],
+                                                            "weights": {"num_bits": 4, "type": "int"}}}},
+     "format is 'marlin-24'"),
     ({"config_groups": {"group_0": {"format": "float-quantized", "targets": ["Linear"],
                                     "weights": {"num_bits": 8, "type": "float", "strategy": "group",
                                                 "group_size": 64}}}},

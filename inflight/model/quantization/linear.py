@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from inflight.model.quantization import fp8
-from inflight.model.quantization.schemes import Fp8Scheme
-
+from inflight.model.quantization.int4_linear import Int4Linear, share_dequantization_buffer
+from inflight.model.quantization.schemes import Fp8Scheme, Int4Scheme
 
 # Rows up to which a unit-scale GEMM and a separate scaling beat the row-wise scaled GEMM (the
 # fp32 product's extra bytes grow with the rows). One 8B layer, quantization included, on an
@@ -216,11 +216,13 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
-    """Replaces every decoder projection the scheme covers with an `Fp8Linear` (on the meta
-    device, before the weights load). The LM head and embeddings stay as they are. A packed
-    projection whose parts the scheme treats differently is refused."""
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme | Int4Scheme) -> None:
+    """Replaces every decoder projection the scheme covers with an `Fp8Linear` or `Int4Linear`
+    (on the meta device, before the weights load). The LM head and embeddings stay as they
+    are. A packed projection whose parts the scheme treats differently is refused."""
     from inflight.model.llama import PackedLinear  # the model imports nothing of this package
+
+    layer_class = Int4Linear if isinstance(scheme, Int4Scheme) else Fp8Linear
 
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head" or ".layers." not in f".{name}":
@@ -235,7 +237,7 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
 
             raise ConfigError(f"{scheme.source}: the ignore list leaves some of {', '.join(names)} "
                               "unquantized and not the others; they are computed as one projection")
-        replacement = Fp8Linear(module.in_features, module.out_features, module.bias is not None, scheme,
+        replacement = layer_class(module.in_features, module.out_features, module.bias is not None, scheme,
                                 module.parts if isinstance(module, PackedLinear) else None)
         parent = model.get_submodule(prefix) if prefix else model
         setattr(parent, name.rpartition(".")[2], replacement)
@@ -243,5 +245,6 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> None:
 
 def finalize_linears(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Int4Linear)):
             module.finalize(dtype)
+    share_dequantization_buffer(model, dtype)

@@ -15,6 +15,10 @@ Anything else, an unknown method, format, field value or a second, different sch
 
 `Fp8Scheme.for_load` is the same scheme made at load from an unquantized checkpoint
 (`quantization: fp8`): per-channel weights, dynamic per-token activations.
+
+One integer format is read into an `Int4Scheme`: compressed-tensors `pack-quantized` with 4-bit
+integer weights in groups (or per channel), symmetric or with zero points, and activations left
+in the model's dtype (W4A16: what llm-compressor writes for GPTQ and AWQ).
 """
 
 from __future__ import annotations
@@ -61,21 +65,51 @@ class Fp8Scheme:
                               f"blocks (got weights {self.weights}, activations {self.activations})")
 
     @classmethod
-    def for_load(cls) -> "Fp8Scheme":
+    def for_load(cls) -> Fp8Scheme:
         return cls("channel", "token", ignore=("lm_head",), source="quantization: fp8",
                    quantized_on_load=True)
 
     def is_ignored(self, module_name: str) -> bool:
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], module_name):
-                    return True
-            elif module_name == entry or module_name.endswith("." + entry):
+        return _is_ignored(self.ignore, module_name)
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """Weight-only 4-bit integer weights (W4A16): w = (q - zero_point) * scale, q in [-8, 7],
+    one scale (and zero point, when not `symmetric`) per `group_size` input columns of each
+    output row (`group_size` None: one per row). Activations stay in the model's dtype."""
+
+    group_size: int | None
+    symmetric: bool = True
+    ignore: tuple[str, ...] = ()
+    kv_cache: bool = False
+    source: str = "compressed-tensors"
+    activations: str = "none"
+    quantized_on_load: bool = False
+
+    def __post_init__(self):
+        if self.group_size is not None and (self.group_size <= 0 or self.group_size % 8):
+            raise ConfigError(f"{self.source}: group_size {self.group_size} is not supported "
+                              "(a positive multiple of 8)")
+
+    def is_ignored(self, module_name: str) -> bool:
+        return _is_ignored(self.ignore, module_name)
+
+
+Scheme = Fp8Scheme | Int4Scheme
+
+
+def _is_ignored(ignore: tuple[str, ...], module_name: str) -> bool:
+    for entry in ignore:
+        if entry.startswith("re:"):
+            if re.fullmatch(entry[3:], module_name):
                 return True
-        return False
+        elif module_name == entry or module_name.endswith("." + entry):
+            return True
+    return False
 
 
-def read_scheme(model_dir: str | Path) -> Fp8Scheme | None:
+def read_scheme(model_dir: str | Path) -> Scheme | None:
     """The checkpoint's quantization, or None for an unquantized one. ConfigError for one that
     is not supported, naming the format and the field."""
     model_dir = Path(model_dir)
@@ -93,8 +127,8 @@ def read_scheme(model_dir: str | Path) -> Fp8Scheme | None:
     if method == "fp8":
         return _hf_fp8(qc)
     raise ConfigError(f"checkpoint quantization_config.quant_method '{qc.get('quant_method')}' is not "
-                      "supported; this engine reads FP8 checkpoints of compressed-tensors "
-                      "(float-quantized), NVIDIA ModelOpt (quant_algo FP8) and Hugging Face (quant_method fp8)")
+                      "supported; this engine reads compressed-tensors (FP8 float-quantized, "
+                      "4-bit pack-quantized), NVIDIA ModelOpt (quant_algo FP8) and Hugging Face (quant_method fp8)")
 
 
 def _modelopt_file(path: Path) -> dict:
@@ -117,17 +151,24 @@ def _float8(args: dict, source: str, field: str) -> None:
              "symmetric quantization")
 
 
-def _compressed_tensors(qc: dict) -> Fp8Scheme:
+def _compressed_tensors(qc: dict) -> Scheme:
     source = "compressed-tensors"
     groups = qc.get("config_groups") or {}
-    _require(bool(groups), source, "quantization_config.config_groups", groups, "one FP8 group")
-    schemes = set()
+    _require(bool(groups), source, "quantization_config.config_groups", groups, "one quantization group")
+    formats = set()
     for name, group in groups.items():
         if isinstance(group, str):
             raise ConfigError(f"{source} checkpoint: config_groups.{name} is the preset name '{group}'; "
                               "write the scheme out (llm-compressor does)")
         fmt = group.get("format") or qc.get("format")
-        _require(fmt == "float-quantized", source, f"config_groups.{name}.format", fmt, "float-quantized (FP8)")
+        _require(fmt in ("float-quantized", "pack-quantized"), source, f"config_groups.{name}.format", fmt,
+                 "float-quantized (FP8) or pack-quantized (4-bit integer weights)")
+        formats.add(fmt)
+    _require(len(formats) == 1, source, "config_groups formats", sorted(formats), "one format for every Linear")
+    if formats == {"pack-quantized"}:
+        return _ct_pack_quantized(qc, groups)
+    schemes = set()
+    for name, group in groups.items():
         _require(_targets_linear(group.get("targets")), source, f"config_groups.{name}.targets",
                  group.get("targets"), "Linear")
         weights = group.get("weights") or {}
@@ -146,12 +187,47 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
     _require(len(schemes) == 1, source, "quantization_config.config_groups", sorted(schemes),
              "one scheme for every Linear")
     [(weights, activations)] = schemes
+    return Fp8Scheme(weights, activations, tuple(qc.get("ignore") or ()), _ct_kv_cache(qc, source), source)
+
+
+def _ct_kv_cache(qc: dict, source: str) -> bool:
+    """Whether the checkpoint holds FP8 KV-cache scales (`kv_cache_scheme`), checked."""
     kv = qc.get("kv_cache_scheme")
-    if kv is not None:
-        _float8(kv, source, "kv_cache_scheme")
-        _require(kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic"), source,
-                 "kv_cache_scheme.strategy", kv.get("strategy"), "static per-tensor KV scales")
-    return Fp8Scheme(weights, activations, tuple(qc.get("ignore") or ()), kv is not None, source)
+    if kv is None:
+        return False
+    _float8(kv, source, "kv_cache_scheme")
+    _require(kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic"), source,
+             "kv_cache_scheme.strategy", kv.get("strategy"), "static per-tensor KV scales")
+    return True
+
+
+def _ct_pack_quantized(qc: dict, groups: dict) -> Int4Scheme:
+    source = "compressed-tensors"
+    schemes = set()
+    for name, group in groups.items():
+        field = f"config_groups.{name}"
+        _require(_targets_linear(group.get("targets")), source, f"{field}.targets", group.get("targets"), "Linear")
+        weights = group.get("weights") or {}
+        _require(weights.get("num_bits") == 4 and weights.get("type") == "int", source,
+                 f"{field}.weights.num_bits/type", (weights.get("num_bits"), weights.get("type")),
+                 "4-bit integers (W4A16)")
+        strategy = weights.get("strategy")
+        _require(strategy in ("group", "channel"), source, f"{field}.weights.strategy", strategy, "group or channel")
+        _require(not weights.get("dynamic"), source, f"{field}.weights.dynamic", weights.get("dynamic"),
+                 "static weight scales")
+        actorder = weights.get("actorder")
+        _require(actorder in (None, "weight", "static"), source, f"{field}.weights.actorder", actorder,
+                 "none, weight or static (group order, which compressed-tensors deprecates, stores a "
+                 "g_idx permutation that is not built)")
+        _require(group.get("input_activations") is None and group.get("output_activations") is None, source,
+                 f"{field}.input_activations", group.get("input_activations"),
+                 "none (weight-only: activations in the model's dtype)")
+        group_size = weights.get("group_size") if strategy == "group" else None
+        schemes.add((group_size, weights.get("symmetric", True) is not False))
+    _require(len(schemes) == 1, source, "quantization_config.config_groups", sorted(schemes, key=str),
+             "one scheme for every Linear")
+    [(group_size, symmetric)] = schemes
+    return Int4Scheme(group_size, symmetric, tuple(qc.get("ignore") or ()), _ct_kv_cache(qc, source), source)
 
 
 def _targets_linear(targets) -> bool:

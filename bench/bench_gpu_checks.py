@@ -155,7 +155,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="profiled decode steps per batch")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per batch")
-    parser.add_argument("--quantization", choices=["fp8"], help="the engine's quantization at load")
+    parser.add_argument("--quantization", choices=["fp8", "w4a16"],
+                        help="fp8: quantized at load; w4a16: the weights as a 4-bit checkpoint")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/bench_gpu_checks")
     args = parser.parse_args()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench_gpu_runs import build_hf, free_memory, make_engine
+from bench_gpu_runs import build_hf, free_memory, int4_checkpoint, make_engine
 
 
 def log(msg: str) -> None:
@@ -44,6 +44,9 @@ def start_random_engine(shape: str, device: torch.device, max_batch_size: int, m
     vocab = hf.config.vocab_size
     del hf
     free_memory(device)
+    if overrides.get("quantization") == "w4a16":  # a checkpoint's format, not a quantization at load
+        folder = int4_checkpoint(weights, folder)
+        overrides.pop("quantization")
     start = time.perf_counter()
     with during_start_up:
         engine = make_engine(folder, weights, device, str(dtype).removeprefix("torch."), max_batch_size,

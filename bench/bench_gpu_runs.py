@@ -5,6 +5,8 @@ engine steps. No printing here."""
 from __future__ import annotations
 
 import gc
+import json
+import math
 import random
 import statistics
 import tempfile
@@ -97,10 +99,15 @@ def build_hf(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0
 
 
 def weight_bytes_read(model: torch.nn.Module, tied: bool) -> int:
-    """Bytes of weights read per decode step: every matrix once; the input embedding is only
-    gathered (a few rows), unless it is also the (tied) LM head."""
+    """Bytes of weights read per decode step: every matrix once, as stored (a 4-bit layer's
+    packed words and scales); the input embedding is only gathered (a few rows), unless it is
+    also the (tied) LM head."""
     seen, total = set(), 0
-    for name, p in model.named_parameters():
+    tensors = list(model.named_parameters())
+    for name, module in model.named_modules():
+        if hasattr(module, "read_tensors"):
+            tensors += [(f"{name}.read{i}", t) for i, t in enumerate(module.read_tensors())]
+    for name, p in tensors:
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
@@ -108,6 +115,40 @@ def weight_bytes_read(model: torch.nn.Module, tied: bool) -> int:
             continue
         total += p.numel() * p.element_size()
     return total
+
+
+INT4_GROUP = 128  # the W4A16 checkpoints' group (llm-compressor's W4A16 preset)
+
+
+def int4_checkpoint(weights: dict, folder: Path, group_size: int = INT4_GROUP) -> Path:
+    """The decoder projections of `weights` (HF names, on the GPU) rounded to symmetric 4-bit
+    groups and packed as compressed-tensors writes them, next to a copy of `folder`'s
+    config.json with the matching quantization_config. Returns the new folder; `weights` is
+    changed in place (each projection's tensor replaced as it is packed, to bound memory)."""
+    from inflight.model.quantization import int4
+
+    names = [n for n in weights if n.endswith("_proj.weight") and ".layers." in n]
+    group_size = math.gcd(group_size, *(weights[n].shape[1] for n in names))  # tiny shapes: smaller
+    for name in names:
+        w = weights.pop(name).float()  # [N, K]
+        grouped = w.unflatten(1, (-1, group_size))
+        scale = (grouped.abs().amax(dim=2) / 7.5).clamp_min(1e-8)  # [N, K / group]
+        q = (grouped / scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8).flatten(1)
+        prefix = name.removesuffix(".weight")
+        weights[f"{prefix}.weight_packed"] = int4.pack(q)
+        weights[f"{prefix}.weight_scale"] = scale.to(torch.bfloat16)
+        weights[f"{prefix}.weight_shape"] = torch.tensor(w.shape)
+        del w, grouped, q
+    out = Path(str(folder) + "-w4a16")
+    out.mkdir(exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": group_size}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def make_engine(folder: Path, weights, device: torch.device, dtype: str, max_batch_size: int,

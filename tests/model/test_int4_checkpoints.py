@@ -166,3 +166,8 @@ def test_packed_qkv_and_gate_up_compute_the_separate_projections(folders, preset
                                                    attn.v_proj.dequantized]))
     assert_same_function(our_logits(packed, config), our_logits(separate, config), config.num_hidden_layers,
                          max(config.hidden_size, config.intermediate_size))
+
+
+def test_fp8_at_load_of_a_4_bit_folder_is_refused(folders):
+    with pytest.raises(ConfigError, match="already quantized"):
+        load_model(folders["W4A16", 32], torch.float32, "cpu", quantization="fp8")

@@ -57,6 +57,9 @@ def scheme_for(model_dir: str | Path, quantization: str | None, tp_size: int = 1
     scheme = read_scheme(model_dir)
     if scheme is None and quantization == "fp8":
         scheme = Fp8Scheme.for_load()
+    elif quantization == "fp8" and not isinstance(scheme, Fp8Scheme):
+        raise ConfigError(f"quantization 'fp8' asks to quantize at load, but the checkpoint is already "
+                          f"quantized ({scheme.source} 4-bit weights); leave quantization unset")
     if scheme is not None and tp_size > 1:
         raise ConfigError(f"{scheme.source}: quantized weights need tensor_parallel_size 1 for now "
                           f"(got {tp_size})")

@@ -111,6 +111,13 @@ class Int4Linear(nn.Module):
             out = nn.functional.linear(x, weight, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def read_tensors(self) -> list[torch.Tensor]:
+        """The weight tensors `forward` reads, for byte counts (not parameters: the kernel's
+        layout, or the dequantized weight)."""
+        if self.kernel_weight is not None:
+            return [v for v in vars(self.kernel_weight).values() if isinstance(v, torch.Tensor)]
+        return [self.dequantized]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, symmetric={self.scheme.symmetric}")

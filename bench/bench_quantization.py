@@ -1,26 +1,28 @@
 #!/usr/bin/env python3
-"""bf16 and FP8 side by side, in one run, on the GPU (random weights in public shapes).
+"""bf16, FP8 and 4-bit weights side by side, in one run, on the GPU (random weights in public shapes).
 
-    python3 bench/bench_fp8.py                                  # 8B: decode at batch 1/64/256
-    python3 bench/bench_fp8.py --shapes llama-3.1-8b --throughput 128:3000 1000:1000
-    python3 bench/bench_fp8.py --variants bf16 fp8 fp8-kv       # and FP8 weights + FP8 KV cache
-    python3 bench/bench_fp8.py --batches --profile 1 256  # where a decode step's time goes
-    python3 bench/bench_fp8.py --device cpu --shapes tiny --batches 1 4 --decode-len 16 --throughput 16:8 \
+    python3 bench/bench_quantization.py                                  # 8B: decode at batch 1/64/256
+    python3 bench/bench_quantization.py --shapes llama-3.1-8b --throughput 128:3000 1000:1000
+    python3 bench/bench_quantization.py --variants bf16 fp8 fp8-kv w4a16  # + FP8 KV cache, 4-bit weights
+    python3 bench/bench_quantization.py --batches --profile 1 256  # where a decode step's time goes
+    python3 bench/bench_quantization.py --device cpu --shapes tiny --batches 1 4 --decode-len 16 --throughput 16:8 \
         --max-seq-len 128 --variants bf16 fp8 fp8-kv            # dry run of every path
 
 For each shape and each variant (`VARIANTS`: bf16; `quantization: fp8`, per-channel FP8
 weights and dynamic per-token FP8 activations quantized at load from the same seeded weights;
-either with `kv_cache_dtype: fp8`), an engine with the auto settings (Triton kernels, CUDA
-graphs, overlap) measures:
+either with `kv_cache_dtype: fp8`; w4a16, the same weights rounded here to 4-bit groups of 128
+and handed over in compressed-tensors' pack-quantized layout, as a GPTQ/AWQ folder holds them),
+an engine with the auto settings (Triton kernels, CUDA graphs, overlap) measures:
 - decode tok/s at each batch (B requests of 128/128 at once, greedy, end id off) against the
   bandwidth roofline of the bytes that engine actually reads: its weights as stored (1 byte per
-  FP8 weight plus its scales; the embedding and LM head stay bf16) and the rows' KV (1 byte an
-  element in an FP8 cache);
+  FP8 weight, half a byte per 4-bit one, plus their scales; the embedding and LM head stay
+  bf16) and the rows' KV (1 byte an element in an FP8 cache);
 - with --throughput IN:N, TensorRT-LLM's max-throughput mode (trtllm-bench): N requests of IN
   prompt and IN output tokens all queued at once, total output tok/s;
 - with --profile B..., the top kernels of a decode step at each batch B (torch.profiler).
 The last lines are markdown tables of every variant, its ratio to bf16 and the published
-anchors. Results also go to --out as bench_fp8.json and bench_fp8.md.
+anchors. Results also go to --out as bench_quantization.json, .md and .svg (a bar chart of
+both tables).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import os
 import time
 from pathlib import Path
 
+import svg_chart
 import torch
 from bench_gpu_runs import (
     build_hf,
     copy_bandwidth,
     free_memory,
+    int4_checkpoint,
     make_engine,
     profile_decode,
     random_prompts,
@@ -46,13 +50,14 @@ from bench_gpu_runs import (
 
 from inflight.model.config import ModelConfig
 
+HEIGHT = svg_chart.HEIGHT
+
 # TensorRT-LLM's published Llama-3.1-8B output tok/s on one H100 (FP8): v1.0 at 128/128, v0.20
 # at 1000/1000; and v0.14 FP16 (docs/performance.md, the reference perf_anchors).
 ANCHORS = {("llama-3.1-8b", 128): (28312, 15572), ("llama-3.1-8b", 1000): (15271, 7055)}
 # name -> (quantization, kv_cache_dtype)
-VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8"), "bf16-kv": (None, "fp8")}
-
-
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("fp8", "fp8"), "bf16-kv": (None, "fp8"),
+            "w4a16": ("w4a16", "auto")}
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -65,6 +70,9 @@ def measure(shape: str, variant: str, device: torch.device, args, bandwidth: flo
     weights = dict(hf.state_dict())
     del hf
     free_memory(device)
+    if quantization == "w4a16":  # a checkpoint's format, not a quantization at load
+        folder, quantization = int4_checkpoint(weights, folder), None
+        free_memory(device)
     overrides = {"quantization": quantization} if quantization else {}
     start = time.perf_counter()
     engine = make_engine(folder, weights, device, str(dtype).removeprefix("torch."), args.max_batch_size,
@@ -149,6 +157,26 @@ def report(results: list[dict], bandwidth: float, device_name: str) -> str:
     return "\n".join(lines)
 
 
+def bar_chart(results: list[dict]) -> str:
+    """Decode tok/s per batch, and max-throughput output tok/s, of every variant, per shape."""
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    charts = []
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        by = {r["variant"]: r for r in results if r["shape"] == shape}
+        first = by[variants[0]]
+        if first["decode"]:
+            charts.append(svg_chart.grouped_bars(
+                f"{shape}: decode tok/s, B requests at once", [f"batch {d['batch']}" for d in first["decode"]],
+                {v: [d["decode_tok_s"] for d in by[v]["decode"]] for v in variants if v in by}, HEIGHT * len(charts)))
+        if first["throughput"]:
+            charts.append(svg_chart.grouped_bars(
+                f"{shape}: output tok/s, all requests queued",
+                [f"{t['length']}/{t['length']} x {t['requests']}" for t in first["throughput"]],
+                {v: [t["output_tok_s"] for t in by[v]["throughput"]] for v in variants if v in by},
+                HEIGHT * len(charts)))
+    return svg_chart.document(charts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -162,7 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--budget-s", type=float, default=240, help="per engine")
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_fp8"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_quantization"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -172,8 +200,9 @@ def main(argv=None) -> int:
     table = report(results, bandwidth, name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_fp8.json").write_text(json.dumps(results, indent=1))
-    (out / "bench_fp8.md").write_text(table + "\n")
+    (out / "bench_quantization.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_quantization.md").write_text(table + "\n")
+    (out / "bench_quantization.svg").write_text(bar_chart(results))
     print(table)
     return 0
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from inflight.kernels._common import triton
 
-KERNEL_MODULES = ("activation", "fp8", "kv_cache", "norm", "paged_attention", "prefill_attention", "rotary")
+KERNEL_MODULES = ("activation", "fp8", "int4", "kv_cache", "norm", "paged_attention", "prefill_attention",
+                  "rotary")
 
 
 def launched_kernels() -> dict[str, object]:

@@ -142,3 +142,48 @@ def attention_tol(dtype: torch.dtype, max_context_len: int, max_abs_value: float
         terms = max_context_len + 128
         return {"rtol": 1e-5, "atol": 8 * u * terms ** 0.5 * max_abs_value + 1e-6}
     return {"rtol": 2 * u, "atol": 2 * u * max_abs_value}
+
+
+def unpack_int4_ref(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """compressed-tensors `pack-quantized` INT4 (int32 [R, ceil(k / 8)]) -> int8 [R, k]: element j
+    of a row is the 4 bits at 4 (j % 8) of word j // 8 (little end first), stored as q + 8."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int32) * 4
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [R, words, 8]
+    return (nibbles.reshape(packed.shape[0], -1)[:, :k] - 8).to(torch.int8)
+
+
+def dequantize_int4_ref(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                        group_size: int) -> torch.Tensor:
+    """fp32 [N, K] weights of a W4A16 layer: (q - zp) * scale per group of `group_size` columns
+    (packed int32 [N, K/8], scale [N, K/G], unpacked zero points [N, K/G] or None). Exact: q - zp
+    is a small integer and the scales are bf16/fp16 (or fp32, one rounding)."""
+    q = unpack_int4_ref(packed, packed.shape[1] * 8).float()
+    if zero_point is not None:
+        q = q - zero_point.float().repeat_interleave(group_size, dim=1)
+    return q * scale.float().repeat_interleave(group_size, dim=1)
+
+
+def int4_matmul_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                      weights_rounded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, bound): x @ w^T + bias in fp64 (x as given, w the exact fp32 weights), and a
+    bound on |kernel - exact| per output for a kernel that accumulates in fp32:
+
+    - fp32 accumulation: at most 2 K + 32 roundings (K products and sums within groups; a
+      multiply by the scale and a sum per group, K / 8 at most; split-K partial sums; the bias),
+      each one ulp (2^-23: tensor cores truncate rather than round), of at most
+      sum_k |x_k w_k| + |bias|;
+    - with `weights_rounded` (a K tile straddling groups: weights scaled and rounded to x's dtype
+      before tl.dot), one rounding of each weight: u(x dtype) sum_k |x_k w_k|;
+    - the output's rounding to out_dtype: u(out) (|exact| + the above).
+    """
+    x64, w64 = x.double(), w.double()
+    exact = x64 @ w64.t()
+    magnitude = x64.abs() @ w64.abs().t()
+    if bias is not None:
+        exact = exact + bias.double()
+        magnitude = magnitude + bias.double().abs()
+    bound = (2 * x.shape[1] + 32) * 2.0 ** -23 * magnitude
+    if weights_rounded:
+        bound = bound + UNIT_ROUNDOFF[x.dtype] * magnitude
+    bound = bound + UNIT_ROUNDOFF[out_dtype] * (exact.abs() + bound)
+    return exact, bound

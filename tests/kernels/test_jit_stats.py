@@ -68,6 +68,24 @@ def test_fp8_keys_ignore_the_row_count():
     assert len(scale_keys) == 1 and len(quantize_keys) == 1
 
 
+def test_int4_keys_ignore_the_row_count():
+    """Every decode batch size (and prefill chunk) of one weight shares each INT4 kernel's variant."""
+    from inflight.kernels.int4 import MAGIC, _dot_kernel, _fma_kernel
+
+    x, out = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
+    words, scale, counters = torch.zeros(32, 128, dtype=torch.int32), torch.zeros(2, 128), torch.zeros(8)
+
+    def keys(kernel, consts):
+        return {jit_stats.specialization_key(
+            kernel, (x[:rows], words, scale, scale, scale, out[:rows], scale, counters, rows, 128, 256, 256,
+                     128, MAGIC), consts) for rows in (1, 3, 16, 33, 64)}
+    common = {"GROUP": 128, "BLOCK_N": 128, "BLOCK_KW": 8, "SPLIT": True, "HAS_ZP": False, "HAS_BIAS": False,
+              "EVEN_K": True, "EVEN_N": True}
+    assert len(keys(_fma_kernel, {**common, "BLOCK_M": 1, "STAGES": 3})) == 1
+    dot = {**common, "BLOCK_M": 16, "GROUP_M": 8, "SWAP_AB": True, "PRECISION": "tf32"}
+    assert len(keys(_dot_kernel, dot)) == 1
+
+
 def test_key_still_sees_data_alignment_and_constexprs():
     """Not vacuous: the hidden-state pointer's alignment and the constexprs are in the key."""
     x = torch.zeros(64)
@@ -84,6 +102,7 @@ def test_every_launched_kernel_is_listed_and_nothing_is_compiled_here():
     assert {"paged_attention._decode_kernel", "paged_attention._reduce_kernel",
             "prefill_attention._prefill_kernel", "kv_cache._store_kv_kernel", "norm._rms_norm_kernel",
             "rotary._rotary_kernel", "activation._silu_and_mul_kernel", "fp8._scale_output_kernel",
-            "fp8._quantize_kernel"} <= names
+            "fp8._quantize_kernel", "int4._fma_kernel", "int4._dot_kernel",
+            "int4._dequantize_kernel"} <= names
     if not torch.cuda.is_available():
         assert jit_stats.num_compiled() == 0  # the interpreter compiles nothing

@@ -8,9 +8,9 @@ stack along the rows, scales and zero points with them: merging is exact.
 
 How it computes, once `finalize` has run:
 - on CUDA with Triton: the packed weight is read in place, a quarter of bf16's bytes, by
-  `inflight.kernels.int4.int4_matmul` (dequantized in registers, fp32 accumulation) up to
-  `MAX_ROWS_FUSED` rows; above, where the GEMM is compute-bound, the weight is dequantized
-  into a buffer the model's projections share and multiplied by cuBLAS;
+  `inflight.kernels.int4.int4_matmul` (dequantized in registers, fp32 accumulation); from the
+  rows where the GEMM is compute-bound (`use_dequantize`: long prefill chunks) the weight is
+  dequantized into a buffer the model's projections share and multiplied by cuBLAS;
 - on the CPU: the weight is dequantized once at load to the model's dtype, which is exactly
   what the scheme computes (activations are not quantized in W4A16).
 """
@@ -22,10 +22,6 @@ from torch import nn
 
 from inflight.model.quantization import int4
 from inflight.model.quantization.schemes import Int4Scheme
-
-# Rows up to which the fused dequantize-GEMM beats dequantizing the weight and cuBLAS (decode
-# and small mixed steps); prefill chunks take the second path.
-MAX_ROWS_FUSED = 64
 
 
 class Int4Linear(nn.Module):
@@ -86,7 +82,10 @@ class Int4Linear(nn.Module):
             zero_point = int4.unpack_rows(self.weight_zero_point, self.out_features)
         kernels = _int4_kernels() if self.weight_packed.is_cuda else None
         if kernels is not None:
-            self.kernel_weight = kernels.prepare_int4_weight(self.weight_packed, self.weight_scale, zero_point,
+            scale = self.weight_scale.to(dtype)  # half the bytes, where that is exact (bf16 scales)
+            if not torch.equal(scale.float(), self.weight_scale):
+                scale = self.weight_scale
+            self.kernel_weight = kernels.prepare_int4_weight(self.weight_packed, scale, zero_point,
                                                              self.group_size)
             self._kernels = kernels
         else:
@@ -103,7 +102,7 @@ class Int4Linear(nn.Module):
         x = x.reshape(-1, self.in_features)  # [M, K]
         if self.kernel_weight is None:
             out = nn.functional.linear(x, self.dequantized, self.bias)
-        elif x.shape[0] <= MAX_ROWS_FUSED or self.buffer is None:
+        elif self.buffer is None or not self._kernels.use_dequantize(x.shape[0]):
             out = self._kernels.int4_matmul(x, self.kernel_weight, self.bias)
         else:
             weight = self.buffer[:self.out_features * self.in_features].view(self.out_features, self.in_features)
@@ -114,8 +113,9 @@ class Int4Linear(nn.Module):
     def read_tensors(self) -> list[torch.Tensor]:
         """The weight tensors `forward` reads, for byte counts (not parameters: the kernel's
         layout, or the dequantized weight)."""
-        if self.kernel_weight is not None:
-            return [v for v in vars(self.kernel_weight).values() if isinstance(v, torch.Tensor)]
+        weight = self.kernel_weight
+        if weight is not None:
+            return [t for t in (weight.packed, weight.scale, weight.zero_point) if t is not None]
         return [self.dequantized]
 
     def extra_repr(self) -> str:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# W4A16 on one GPU, in stages that each fit one device call (~10 minutes):
+#   bash bench/gpu_int4.sh kernels   # kernel and layer tests on CUDA, the GEMM table, the config sweep
+#   bash bench/gpu_int4.sh engine    # no compile after start-up; decode and 128/128 throughput, bf16 vs w4a16
+# Logs go to $OUT (default /tmp/gpu_int4).
+set -u
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/gpu_int4}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader
+case "${1:-kernels}" in
+  kernels)
+    python -m pytest -q tests/kernels/test_int4.py tests/gpu/test_int4_cuda.py 2>&1 | tail -25 | tee "$OUT/tests.log"
+    python bench/bench_int4_gemm.py 2>&1 | tee "$OUT/int4_gemm.md"
+    timeout 300 python bench/bench_int4_gemm.py --sweep 2>&1 | tail -60 | tee "$OUT/int4_sweep.md"
+    ;;
+  engine)
+    (cd bench && timeout 200 python bench_gpu_checks.py jit --quantization w4a16 --shapes llama-3.1-8b \
+        2>&1 | tail -8 | tee "$OUT/jit_w4a16.log")
+    (cd bench && OUT="$OUT" timeout 380 python bench_quantization.py --variants bf16 w4a16 --batches 1 64 256 \
+        --throughput 128:3000 --max-batch-size 1024 --budget-s 150 2>&1 | tail -20)
+    ;;
+esac

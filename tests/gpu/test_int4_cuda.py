@@ -1,0 +1,95 @@
+"""4-bit weights (W4A16) on CUDA compute what the CPU path computes
+(tests/model/test_int4_checkpoints.py).
+
+On CUDA a projection keeps the packed words and multiplies them with the Triton kernel
+(`inflight/kernels/int4.py`: CUDA cores at one row, tensor cores above, split-K for few output
+tiles), or from `use_dequantize` rows dequantizes into the shared buffer and calls cuBLAS; on
+the CPU it dequantizes its weight at load. The weights are exact in both, so a layer is checked
+against the exact (fp64) product, and the engine (CUDA graphs, fp32) by its greedy tokens
+against the CPU engine's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig
+from inflight.engine.llm_engine import LLMEngine
+from inflight.kernels import int4 as int4_kernels
+from inflight.model.quantization import Int4Linear, Int4Scheme, int4
+from inflight.model.quantization.int4_linear import share_dequantization_buffer
+from tests.model import fp8_checkpoints as ckpt
+from tests.model.engine_utils import DEFAULT_KV, RecordLogits, gen_request, output_tokens, run
+from tests.model.test_fp8_checkpoints import PROMPT
+from tests.model.tolerances import fp32_noise_bound
+from tools import quantized_checkpoint
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+
+
+def _layer(symmetric: bool, dtype: torch.dtype, in_features=1024, out_features=384, group=128):
+    torch.manual_seed(0)
+    scheme = Int4Scheme(group, symmetric)
+    layer = Int4Linear(in_features, out_features, True, scheme).to("cuda")
+    q = torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8, device="cuda")
+    groups = in_features // group
+    scale = (torch.rand(out_features, groups, device="cuda") * 0.02 + 0.001).to(torch.bfloat16).float()
+    zero = torch.randint(-8, 8, (out_features, groups), dtype=torch.int8, device="cuda")
+    layer.weight_packed = torch.nn.Parameter(int4.pack(q), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    if not symmetric:
+        layer.weight_zero_point = torch.nn.Parameter(int4.pack(zero.t().contiguous()).t().contiguous(),
+                                                     requires_grad=False)
+    layer.weight_shape = torch.nn.Parameter(torch.tensor([[out_features, in_features]], device="cuda"),
+                                            requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(out_features, device="cuda"), requires_grad=False)
+    exact = int4.dequantize(layer.weight_packed, scale, None if symmetric else zero, in_features).double()
+    layer.finalize(dtype)
+    assert layer.kernel_weight is not None and layer.dequantized is None  # the packed path
+    share_dequantization_buffer(torch.nn.Sequential(layer), dtype)
+    return layer, exact
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 16, 37, 64, 300, int4_kernels.DEQUANT_MIN_M + 3])
+def test_projection_matches_the_exact_product_of_its_4_bit_values(dtype, symmetric, rows):
+    layer, w = _layer(symmetric, dtype)
+    x = torch.randn(rows, layer.in_features, device="cuda", dtype=dtype)
+    out = layer(x).double()
+    exact = x.double() @ w.t() + layer.bias.double()
+    # Each weight rounded once to the activation dtype (the dequantized paths), fp32 accumulation
+    # over K, the output's rounding and the bias added after it: u (|x| |w|^T + 2 |exact|) + K u32.
+    u = UNIT_ROUNDOFF[dtype]
+    magnitude = x.double().abs() @ w.abs().t()
+    bound = u * (magnitude + 2 * exact.abs()) + layer.in_features * 2.0 ** -24 * magnitude
+    excess = (out - exact).abs() - bound
+    assert float(excess.max()) <= 0, float(((out - exact).abs() / bound).max())
+
+
+def test_engine_with_graphs_gives_the_cpu_engines_tokens(tmp_path):
+    """The whole engine on CUDA (Triton kernels, CUDA graphs with the 4-bit projections
+    captured, overlapped steps), fp32, against the CPU engine's greedy tokens on the same folder:
+    the same function, so they part only at a tie within fp32 noise."""
+    folder = quantized_checkpoint.save(ckpt.tiny_llama(), tmp_path / "w4a16", "W4A16_ASYM", group_size=32)
+    prompts = [PROMPT, [1, 5, 9], list(range(3, 30))]
+    recorders = [RecordLogits() for _ in prompts]
+    cpu = LLMEngine.from_dir(folder, ExecutorConfig(device="cpu", dtype="float32", kv_cache_config=DEFAULT_KV))
+    refs = [output_tokens(r) for r in run(cpu, [gen_request(p, 12, logits_processor=rec)
+                                                for p, rec in zip(prompts, recorders)])]
+    config = ExecutorConfig(device="cuda", dtype="float32", kv_cache_config=DEFAULT_KV,
+                            extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(cuda_graph_mode=True))
+    cuda = LLMEngine.from_dir(folder, config)
+    assert cuda.worker.graph_runner is not None
+    assert isinstance(cuda.worker.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    for ref, rec, responses in zip(refs, recorders, run(cuda, [gen_request(p, 12) for p in prompts])):
+        tokens = output_tokens(responses)
+        for step, (a, b) in enumerate(zip(tokens, ref)):
+            if a != b:
+                logits = rec.logits[step].float()
+                top2 = logits.topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * fp32_noise_bound(3, 128, float(logits.abs().max())), (
+                    tokens, ref)
+                break
+    cuda.close()

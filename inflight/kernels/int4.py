@@ -99,6 +99,7 @@ class Int4Config:
     num_stages: int
     swap_ab: bool = False  # "dot": out^T = W x^T (weights on the MMA's M side)
     group_m: int = 8  # "dot": M tiles swept together along N (x stays in L2 at large M)
+    planes: bool = False  # "dot": one MMA per nibble plane, x loaded in the planes' order (below)
 
 
 # --- the heuristic's constants (retune from `bench/bench_int4_gemm.py --sweep`) ----------------
@@ -106,12 +107,12 @@ FMA_MAX_M = 1  # rows served by the CUDA-core kernel; above, tl.dot (weights as 
 # Tiles per row bucket; split_k is chosen per shape, the "fma" block_m is m's power of two, and
 # "fma" wants block_n = 128 x num_warps (the layout the module docstring describes).
 FMA_CONFIG = Int4Config("fma", block_m=1, block_n=128, block_k=64, split_k=1, num_warps=1, num_stages=3)
-DOT_CONFIGS = (  # (largest m, tiles), bf16/fp16 activations
-    (16, Int4Config("dot", block_m=16, block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3,
+DOT_CONFIGS = (  # (largest m, tiles), bf16/fp16 activations; from the H100 sweep of 2026-11-27
+    (16, Int4Config("dot", block_m=16, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
                     swap_ab=True)),
-    (32, Int4Config("dot", block_m=32, block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3,
+    (32, Int4Config("dot", block_m=32, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
                     swap_ab=True)),
-    (64, Int4Config("dot", block_m=64, block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3,
+    (64, Int4Config("dot", block_m=64, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
                     swap_ab=True)),
     (None, Int4Config("dot", block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)),
 )
@@ -122,11 +123,16 @@ FP32_DOT_CONFIGS = (
     (None, Int4Config("dot", block_m=32, block_n=64, block_k=32, split_k=1, num_warps=4, num_stages=2,
                       swap_ab=True)),
 )
-WARPS_PER_SM = 16  # resident warps to aim for when choosing SPLIT_K (latency hiding)
+# Resident warps per SM to aim for when choosing SPLIT_K (latency hiding), per path: on the
+# H100 sweep the 1-warp "fma" programs were fastest at ~4 per SM (8B gate_up: split 4, 27 us,
+# against 34 us at the 16 a shared constant chose), the dot tiles at ~12 warps.
+WARPS_PER_SM = {"fma": 4, "dot": 12}
 MIN_K_PER_SPLIT = 256  # a split-K program walks at least this many K (its partial costs 4 B/output)
 MAX_SPLIT_K = 16  # the last program of a tile reads SPLIT_K partials serially
 HBM_BYTES_PER_FLOP = 1 / 200  # ~3 TB/s over ~600 TFLOP/s (bf16 tensor cores as a Triton dot reaches)
-DEQUANT_MIN_M = 1024  # from this many rows dequantize_int4 + a dense GEMM is expected to win
+# From this many rows dequantize_int4 + cuBLAS wins (H100, 2026-11-27: at 256 rows it beat the
+# dot kernel on every 8B and 1B shape, e.g. gate_up 214 against 285 us; at 64 they were even).
+DEQUANT_MIN_M = 128
 DEFAULT_NUM_SMS = 132  # H100 SXM; used off CUDA (the interpreter)
 
 
@@ -159,7 +165,7 @@ def choose_split_k(m: int, n: int, k: int, cfg: Int4Config, num_sms: int) -> int
     split = 1
     while split <= MAX_SPLIT_K and (split == 1 or (k // split >= MIN_K_PER_SPLIT and
                                                    cdiv(k, cfg.block_k) >= split)):
-        fill = min(1.0, tiles * split * cfg.num_warps / (WARPS_PER_SM * num_sms))
+        fill = min(1.0, tiles * split * cfg.num_warps / (WARPS_PER_SM[cfg.path] * num_sms))
         cost = work / fill + (8 * m * n * split if split > 1 else 0)
         if cost < best_cost:
             best, best_cost = split, cost
@@ -435,9 +441,11 @@ def _dot_kernel(x_ptr, w_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, partial_ptr,
                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, HAS_ZP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, PLANES: tl.constexpr):
     """Grid (M tiles x N tiles, GROUP_M M tiles swept together along N; SPLIT_K). The
-    accumulator is [BLOCK_N, BLOCK_M] with SWAP_AB, transposed once at the end."""
+    accumulator is [BLOCK_N, BLOCK_M] with SWAP_AB, transposed once at the end. With PLANES
+    (K tiles inside one group), nibble plane i of the word tile is multiplied by x's columns
+    8 w + i, eight MMAs of K = BLOCK_KW instead of one over the interleaved tile."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
@@ -476,11 +484,28 @@ def _dot_kernel(x_ptr, w_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, partial_ptr,
                                     not EVEN_N)
             if HAS_ZP:
                 zero = zero[:, None]
-            w = _k_tile(words, high, zero, s, magic, dtype, False)
-            if SWAP_AB:
-                acc += _mma(x, w, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), SWAP_AB, PRECISION) * s[:, None]
+            if PLANES:  # no interleave: plane i pairs with x's columns 8 w + i
+                if SWAP_AB:
+                    part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                else:
+                    part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for i in tl.static_range(8):
+                    plane_cols = it * BLOCK_KW * 8 + kw * 8 + i
+                    if EVEN_K:
+                        x_i = tl.load(x_rows + plane_cols[None, :])
+                    else:
+                        x_i = tl.load(x_rows + plane_cols[None, :], mask=(plane_cols < K)[None, :], other=0.0)
+                    part = _mma(x_i, _plane(words, high, i, zero, magic).to(dtype), part, SWAP_AB, PRECISION)
+                if SWAP_AB:
+                    acc += part * s[:, None]
+                else:
+                    acc += part * s[None, :]
             else:
-                acc += _mma(x, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), SWAP_AB, PRECISION) * s[None, :]
+                w = _k_tile(words, high, zero, s, magic, dtype, False)
+                if SWAP_AB:
+                    acc += _mma(x, w, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), SWAP_AB, PRECISION) * s[:, None]
+                else:
+                    acc += _mma(x, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), SWAP_AB, PRECISION) * s[None, :]
         else:
             tile_mask = n_mask[:, None] & (word < K // 8)[None, :]
             s, zero = _group_params(scale_ptr, zp_ptr, word[None, :], offs_n[:, None], N, GROUP, tile_mask,
@@ -568,8 +593,10 @@ def int4_matmul(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     if cfg.path == "fma":
         _fma_kernel[(n_tiles, cfg.split_k, m_tiles)](*args, **consts, STAGES=cfg.num_stages)
     else:
+        planes = cfg.planes and weight.group_size % cfg.block_k == 0
         _dot_kernel[(m_tiles * n_tiles, cfg.split_k)](*args, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-                                                      PRECISION=dot_precision(x.dtype), **consts)
+                                                      PRECISION=dot_precision(x.dtype), PLANES=planes,
+                                                      **consts)
     return out
 
 
@@ -586,6 +613,9 @@ def check_config(cfg: Int4Config, group_size: int) -> None:
     elif cfg.path == "dot":
         if min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
             raise ValueError(f"the dot path needs tiles >= 16 (tl.dot), got {cfg}")
+        if cfg.planes and cfg.block_k < 16 * PACK:
+            raise ValueError(f"planes need block_k >= {16 * PACK} (each plane's MMA has K = block_k / 8), "
+                             f"got {cfg}")
     else:
         raise ValueError(f"unknown path {cfg.path!r}")
     if cfg.split_k < 1:

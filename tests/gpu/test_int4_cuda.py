@@ -23,7 +23,6 @@ from tests.model import fp8_checkpoints as ckpt
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, gen_request, output_tokens, run
 from tests.model.test_fp8_checkpoints import PROMPT
 from tests.model.tolerances import fp32_noise_bound
-from tools import quantized_checkpoint
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
 
@@ -68,11 +67,48 @@ def test_projection_matches_the_exact_product_of_its_4_bit_values(dtype, symmetr
     assert float(excess.max()) <= 0, float(((out - exact).abs() / bound).max())
 
 
+def _asymmetric_folder(path, group: int = 32):
+    """The tiny model as an asymmetric 4-bit pack-quantized folder, packed with `int4.pack`
+    (equal to compressed-tensors' packing, tests/model/test_int4_checkpoints.py; the GPU image
+    lacks that package)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = ckpt.tiny_llama()
+    model.save_pretrained(path)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            tensors[name] = value.contiguous()
+            continue
+        grouped = value.float().unflatten(1, (-1, group))  # [N, K / G, G]
+        low, high = grouped.amin(2).clamp(max=0), grouped.amax(2).clamp(min=0)
+        scale = ((high - low) / 15).clamp_min(1e-6).to(torch.bfloat16).float()
+        zero = (-8 - (low / scale).round()).clamp(-8, 7)
+        q = ((grouped / scale.unsqueeze(2)).round() + zero.unsqueeze(2)).clamp(-8, 7).flatten(1)
+        prefix = name.removesuffix(".weight")
+        tensors[f"{prefix}.weight_packed"] = int4.pack(q.to(torch.int8))
+        tensors[f"{prefix}.weight_scale"] = scale.to(torch.bfloat16)
+        tensors[f"{prefix}.weight_zero_point"] = int4.pack(zero.to(torch.int8).t().contiguous()).t().contiguous()
+        tensors[f"{prefix}.weight_shape"] = torch.tensor(value.shape)
+    for old in path.glob("*.safetensors"):
+        old.unlink()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}}}}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def test_engine_with_graphs_gives_the_cpu_engines_tokens(tmp_path):
     """The whole engine on CUDA (Triton kernels, CUDA graphs with the 4-bit projections
     captured, overlapped steps), fp32, against the CPU engine's greedy tokens on the same folder:
     the same function, so they part only at a tie within fp32 noise."""
-    folder = quantized_checkpoint.save(ckpt.tiny_llama(), tmp_path / "w4a16", "W4A16_ASYM", group_size=32)
+    folder = _asymmetric_folder(tmp_path)
     prompts = [PROMPT, [1, 5, 9], list(range(3, 30))]
     recorders = [RecordLogits() for _ in prompts]
     cpu = LLMEngine.from_dir(folder, ExecutorConfig(device="cpu", dtype="float32", kv_cache_config=DEFAULT_KV))

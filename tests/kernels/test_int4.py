@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 from inflight.kernels import int4
 from inflight.kernels.int4 import Int4Config, dequantize_int4, int4_matmul, prepare_int4_weight
@@ -35,6 +34,18 @@ def _checkpoint(gen: torch.Generator, n: int, k: int, group: int, asym: bool, sc
         zp = zp.to(torch.int8)
         zp_packed = pack_to_int32(zp, 4, packed_dim=0)
     return pack_to_int32(q, 4), scale, zp, zp_packed
+
+
+def pack_to_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """compressed-tensors' packing where the package is installed (CI); else ours, which
+    tests/model/test_int4_checkpoints.py checks equal to it (the GPU image lacks the package)."""
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 as theirs
+    except ImportError:
+        from inflight.model.quantization import int4
+
+        return int4.pack(q) if packed_dim == 1 else int4.pack(q.t().contiguous()).t().contiguous()
+    return theirs(q, num_bits, packed_dim=packed_dim)
 
 
 def _rounds_weights(cfg: Int4Config, group: int) -> bool:
@@ -62,6 +73,8 @@ def _check_matmul(gen, m, n, k, group, asym, with_bias, dtype=torch.bfloat16, co
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("group", [32, 128, None])  # None: "channel" (G = K)
 def test_reference_unpacks_like_compressed_tensors(gen, group, asym):
+    unpack_from_int32 = pytest.importorskip(
+        "compressed_tensors.compressors.pack_quantized.helpers").unpack_from_int32
     n, k = 40, 256
     group = group or k
     packed, scale, zp, zp_packed = _checkpoint(gen, n, k, group, asym, torch.float16)
@@ -105,13 +118,15 @@ PATHS = [
     (replace(DOT, block_k=128), 9, 64, 256, 32),  # 4 groups per K tile: scaled before the dot
     (replace(DOT, swap_ab=True, block_k=128), 2, 64, 200, 40),  # K tail, 40-wide groups
     (replace(DOT, block_m=64, group_m=2), 130, 48, 256, 128),  # 3 M tiles, grouped sweep
+    (replace(DOT, swap_ab=True, block_k=128, planes=True, split_k=2), 3, 48, 384, 128),  # one MMA per plane
+    (replace(DOT, block_k=128, planes=True), 20, 64, 200, 200),  # planes, K tail, unswapped
 ]
 
 
 def _case_id(case) -> str:
     cfg, m, n, k, group = case
     return (f"{cfg.path}-m{m}-n{n}-k{k}-g{group}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-            f"-s{cfg.split_k}-sw{int(cfg.swap_ab)}")
+            f"-s{cfg.split_k}-sw{int(cfg.swap_ab)}{'-planes' if cfg.planes else ''}")
 
 
 @pytest.mark.parametrize("asym", [False, True])

@@ -173,9 +173,8 @@ def table_row(name: str, layer: Layer, m: int, device: torch.device, bandwidth: 
 
 def describe(cfg: Int4Config) -> str:
     swap = " swap" if cfg.swap_ab else ""
-    planes = " planes" if cfg.planes else ""
     return (f"{cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} "
-            f"w{cfg.num_warps} st{cfg.num_stages}{swap}{planes}")
+            f"w{cfg.num_warps} st{cfg.num_stages}{swap}")
 
 
 def candidates(m: int) -> list[Int4Config]:
@@ -191,9 +190,8 @@ def candidates(m: int) -> list[Int4Config]:
     dot_tiles = ((128, 128, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (256, 128, 8, 3),
                  (128, 64, 4, 4))  # block_n, block_k, warps, stages
     for block_n, block_k, warps, stages in dot_tiles:
-        for planes in (False, True) if block_k >= 128 else (False,):
-            found.append(Int4Config("dot", block_m=block_m, block_n=block_n, block_k=block_k, split_k=1,
-                                    num_warps=warps, num_stages=stages, swap_ab=True, planes=planes))
+        found.append(Int4Config("dot", block_m=block_m, block_n=block_n, block_k=block_k, split_k=1,
+                                num_warps=warps, num_stages=stages, swap_ab=True))
     if m >= 16:
         for block_n, warps in ((128, 4), (128, 8)):
             found.append(Int4Config("dot", block_m=block_m, block_n=block_n, block_k=64, split_k=1,

@@ -99,7 +99,6 @@ class Int4Config:
     num_stages: int
     swap_ab: bool = False  # "dot": out^T = W x^T (weights on the MMA's M side)
     group_m: int = 8  # "dot": M tiles swept together along N (x stays in L2 at large M)
-    planes: bool = False  # "dot": one MMA per nibble plane, x loaded in the planes' order (below)
 
 
 # --- the heuristic's constants (retune from `bench/bench_int4_gemm.py --sweep`) ----------------
@@ -441,11 +440,11 @@ def _dot_kernel(x_ptr, w_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, partial_ptr,
                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, HAS_ZP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                PRECISION: tl.constexpr, PLANES: tl.constexpr):
+                PRECISION: tl.constexpr):
     """Grid (M tiles x N tiles, GROUP_M M tiles swept together along N; SPLIT_K). The
-    accumulator is [BLOCK_N, BLOCK_M] with SWAP_AB, transposed once at the end. With PLANES
-    (K tiles inside one group), nibble plane i of the word tile is multiplied by x's columns
-    8 w + i, eight MMAs of K = BLOCK_KW instead of one over the interleaved tile."""
+    accumulator is [BLOCK_N, BLOCK_M] with SWAP_AB, transposed once at the end. (One MMA per
+    nibble plane, with x loaded in the planes' column order instead of interleaving the tile,
+    was tried on the H100 and never won the sweep.)"""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
@@ -484,28 +483,11 @@ def _dot_kernel(x_ptr, w_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, partial_ptr,
                                     not EVEN_N)
             if HAS_ZP:
                 zero = zero[:, None]
-            if PLANES:  # no interleave: plane i pairs with x's columns 8 w + i
-                if SWAP_AB:
-                    part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                else:
-                    part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for i in tl.static_range(8):
-                    plane_cols = it * BLOCK_KW * 8 + kw * 8 + i
-                    if EVEN_K:
-                        x_i = tl.load(x_rows + plane_cols[None, :])
-                    else:
-                        x_i = tl.load(x_rows + plane_cols[None, :], mask=(plane_cols < K)[None, :], other=0.0)
-                    part = _mma(x_i, _plane(words, high, i, zero, magic).to(dtype), part, SWAP_AB, PRECISION)
-                if SWAP_AB:
-                    acc += part * s[:, None]
-                else:
-                    acc += part * s[None, :]
+            w = _k_tile(words, high, zero, s, magic, dtype, False)
+            if SWAP_AB:
+                acc += _mma(x, w, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), SWAP_AB, PRECISION) * s[:, None]
             else:
-                w = _k_tile(words, high, zero, s, magic, dtype, False)
-                if SWAP_AB:
-                    acc += _mma(x, w, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), SWAP_AB, PRECISION) * s[:, None]
-                else:
-                    acc += _mma(x, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), SWAP_AB, PRECISION) * s[None, :]
+                acc += _mma(x, w, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), SWAP_AB, PRECISION) * s[None, :]
         else:
             tile_mask = n_mask[:, None] & (word < K // 8)[None, :]
             s, zero = _group_params(scale_ptr, zp_ptr, word[None, :], offs_n[:, None], N, GROUP, tile_mask,
@@ -593,10 +575,8 @@ def int4_matmul(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     if cfg.path == "fma":
         _fma_kernel[(n_tiles, cfg.split_k, m_tiles)](*args, **consts, STAGES=cfg.num_stages)
     else:
-        planes = cfg.planes and weight.group_size % cfg.block_k == 0
         _dot_kernel[(m_tiles * n_tiles, cfg.split_k)](*args, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-                                                      PRECISION=dot_precision(x.dtype), PLANES=planes,
-                                                      **consts)
+                                                      PRECISION=dot_precision(x.dtype), **consts)
     return out
 
 
@@ -613,9 +593,6 @@ def check_config(cfg: Int4Config, group_size: int) -> None:
     elif cfg.path == "dot":
         if min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
             raise ValueError(f"the dot path needs tiles >= 16 (tl.dot), got {cfg}")
-        if cfg.planes and cfg.block_k < 16 * PACK:
-            raise ValueError(f"planes need block_k >= {16 * PACK} (each plane's MMA has K = block_k / 8), "
-                             f"got {cfg}")
     else:
         raise ValueError(f"unknown path {cfg.path!r}")
     if cfg.split_k < 1:

@@ -2,6 +2,7 @@
 # W4A16 on one GPU, in stages that each fit one device call (~10 minutes):
 #   bash bench/gpu_int4.sh kernels   # kernel and layer tests on CUDA, the GEMM table, the config sweep
 #   bash bench/gpu_int4.sh engine    # no compile after start-up; decode and 128/128 throughput, bf16 vs w4a16
+#   bash bench/gpu_int4.sh profile   # where a w4a16 decode step goes (batch 1, 64); FP8 vs FP8 KV at 256
 # Logs go to $OUT (default /tmp/gpu_int4).
 set -u
 export PYTHONPATH=$PWD
@@ -19,5 +20,11 @@ case "${1:-kernels}" in
         2>&1 | tail -8 | tee "$OUT/jit_w4a16.log")
     (cd bench && OUT="$OUT" timeout 380 python bench_quantization.py --variants bf16 w4a16 --batches 1 64 256 \
         --throughput 128:3000 --max-batch-size 1024 --budget-s 150 2>&1 | tail -20)
+    ;;
+  profile)
+    (cd bench && OUT="$OUT/w4a16" timeout 250 python bench_quantization.py --variants w4a16 --batches \
+        --profile 1 64 2>&1 | grep -v "^|" | tail -32)
+    (cd bench && OUT="$OUT/fp8kv" timeout 300 python bench_quantization.py --variants fp8 fp8-kv --batches 256 \
+        --profile 256 2>&1 | grep -v "^|" | tail -34)
     ;;
 esac

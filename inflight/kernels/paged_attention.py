@@ -45,6 +45,11 @@ from inflight.kernels.kv_cache import _kv_tile, cache_bits
 
 # Tokens per K/V tile (see NOTES.md): 64 x 128 bf16 = 16 KiB for K and for V per iteration.
 DEFAULT_BLOCK_N = 64
+# Software-pipelining depth of the K/V loads. An e4m3 cache reads fastest unpipelined: on an
+# H100 (bench/bench_decode_kv.py, 8B heads, batch 256, 2026-11-27) 62 against 72 us a layer at
+# 192 tokens of context and 285 against 317 at 1,000 (bf16 at 2 stages: 79 and 362).
+DEFAULT_NUM_STAGES = 2
+FP8_NUM_STAGES = 1
 # fp32 (tests, parity runs): wider tiles spill registers on sm_90 (checks/compile_kernels.py).
 FP32_BLOCK_N = 16
 # Resident programs to aim for per SM when choosing P: enough loads in flight to cover HBM latency.
@@ -186,7 +191,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_partitions: int = 1, workspace: DecodeWorkspace | None = None,
                            block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           num_stages: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b over row b's first seq_lens[b] cached
     tokens, K/V of KV head h // (Hq / Hkv). Returns `out` (allocated if None). An FP8 cache
     holds K / k_scale and V / v_scale (`kv_cache.store_kv_cache`).
@@ -219,6 +225,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                              f"{num_seqs}x{num_partitions} of {num_q_heads}x{head_dim}")
         part_out, part_lse = workspace.partial_out, workspace.partial_lse
     cache, fp8 = cache_bits(kv_cache)
+    if num_stages is None:
+        num_stages = FP8_NUM_STAGES if fp8 else DEFAULT_NUM_STAGES
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, cache[0], cache[1], block_tables, seq_lens, out, part_out, part_lse,
         scale * (k_scale if fp8 else 1.0) * math.log2(math.e), float(v_scale), num_partitions,

@@ -114,7 +114,8 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
     context = context_length(info, tokenizer)
     prompt = PromptLimits.derive(info.max_input_len, context, info.max_input_bytes)
     served = ServedModel(name=name, renderer=ChatRenderer(tokenizer, name),
-                         limits=Limits(context, info.max_output_len, prompt), created=int(time.time()))
+                         limits=Limits(context, info.max_output_len, prompt, vocab_size=len(tokenizer)),
+                         created=int(time.time()))
     return client, served
 
 

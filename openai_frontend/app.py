@@ -88,7 +88,7 @@ def create_app(client: TritonClient, served: ServedModel,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served.check(body.model)
-        plan = completion_plan(body, served.limits)
+        plan = completion_plan(body, served.limits, served.renderer.decode)
         ctx = Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan)
         return await generate(request, plan, ctx, CompletionStream, completion)
 

@@ -55,6 +55,10 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.model_name = model_name
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens included (a prompt echoed as it was sent)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     @property
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))

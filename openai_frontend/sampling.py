@@ -6,8 +6,9 @@ names the parameter and the limit:
   with a `seed`, choice i uses seed + i so the choices differ yet stay reproducible.
 - Log probabilities are returned for the chosen tokens only: the engine does not compute the
   top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
-- Prompts given as token ids, `suffix`, `logit_bias`, `best_of` other than `n` and tools are
-  refused.
+- Completions take a prompt as text, token ids, or a batch of either (choice `index` p*n + i
+  for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
+- `suffix`, `logit_bias`, `best_of` other than `n` and tools are refused.
 - A prompt's size is checked before it is rendered or tokenized (`ensemble.limits`): its bytes
   against `max_input_bytes`, then its tokens against the context.
 - Chat's `response_format` `json_object` / `json_schema` becomes the ensemble's guided decoding
@@ -19,6 +20,7 @@ names the parameter and the limit:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ensemble.errors import InputError
@@ -40,6 +42,7 @@ class Limits:
     context_length: int
     max_output_len: int | None = None
     prompt: PromptLimits | None = None
+    vocab_size: int | None = None  # token-id prompts' ids must be below it (the tokenizer's length)
 
     @property
     def prompt_limits(self) -> PromptLimits:
@@ -109,16 +112,38 @@ def _check_max_tokens(max_tokens: int, limits: Limits, param: str) -> None:
                           f"({limits.max_output_len}).", param)
 
 
-def completion_plan(req: CompletionRequest, limits: Limits) -> Plan:
-    _common_checks(req)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise bad_request("Prompts must be text (a string or a list of strings); token-id prompts are "
-                          "not supported.", "prompt")
-    if any(not p for p in prompts):
+def _prompts(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
+    """The request's prompts, each text or token ids, checked: none empty, text within the
+    byte limit, ids integers of the vocabulary and fewer than the context holds."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]  # one text, or one prompt of ids
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not p for p in prompts):
         raise bad_request("The prompt must not be empty.", "prompt")
-    for prompt in prompts:
-        limits.check_prompt_bytes(len(prompt.encode("utf-8")), "prompt")
+    for index, item in enumerate(prompts):
+        if isinstance(item, str):
+            limits.check_prompt_bytes(len(item.encode("utf-8")), "prompt")
+            continue
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            raise bad_request("A prompt is text, a list of token ids, or a list of either.", "prompt")
+        bad = [t for t in item if t < 0 or (limits.vocab_size is not None and t >= limits.vocab_size)]
+        if bad:
+            raise bad_request(f"Prompt {index} holds token id {bad[0]}, outside the vocabulary "
+                              f"(0 to {(limits.vocab_size or 0) - 1}).", "prompt")
+        if len(item) >= limits.context_length:
+            raise bad_request(f"Prompt {index} has {len(item)} tokens; the model's context holds "
+                              f"{limits.context_length}, the output included.", "prompt",
+                              "context_length_exceeded")
+    return prompts
+
+
+def completion_plan(req: CompletionRequest, limits: Limits,
+                    decode: Callable[[list[int]], str] | None = None) -> Plan:
+    """`decode` renders a token-id prompt as text for `echo` (the served tokenizer's decode)."""
+    _common_checks(req)
+    prompts = _prompts(req, limits)
     if req.suffix:
         raise bad_request("'suffix' is not supported by this server.", "suffix", "unsupported_parameter")
     n = req.n or 1
@@ -137,9 +162,17 @@ def completion_plan(req: CompletionRequest, limits: Limits) -> Plan:
     for p, prompt in enumerate(prompts):
         # Completions keep the tokenizer's own rule for special tokens (BOS for most models).
         requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, first_index=p * n)
-        echo += [prompt if req.echo else ""] * n
+        echo += [_echo_text(prompt, decode) if req.echo else ""] * n
     return Plan(requests, n, echo, req.stop_strings, logprobs, bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
+
+
+def _echo_text(prompt: str | list[int], decode: Callable[[list[int]], str] | None) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if decode is None:
+        raise bad_request("'echo' of a token-id prompt needs the server's tokenizer.", "echo")
+    return decode(prompt)
 
 
 def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits) -> Plan:

@@ -140,6 +140,23 @@ def test_echo_prepends_the_prompt(client):
     assert echoed.choices[0].text == COUNT + plain.choices[0].text
 
 
+def test_token_id_prompts_generate_what_their_text_does(client, frontend, tokenizer):
+    """A prompt sent as the ids the text encodes to gives the same greedy text; a batch of
+    prompts (ids and ids) comes back with each choice's index; echo decodes the ids."""
+    ids = tokenizer(COUNT)["input_ids"]
+    plain = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=6, temperature=0)
+    as_ids = client.completions.create(model="ensemble", prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert as_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
+    assert as_ids.usage.prompt_tokens == len(ids) == plain.usage.prompt_tokens
+    short = tokenizer("Count: 1,")["input_ids"]
+    batch = client.completions.create(model="ensemble", prompt=[ids, short], max_tokens=4, temperature=0)
+    by_index = {choice.index: choice.text for choice in batch.choices}
+    assert by_index[0] == plain.choices[0].text[:len(by_index[0])] and set(by_index) == {0, 1}
+    reply = _post(frontend, "/v1/completions",
+                  {"model": "ensemble", "prompt": [1, 10 ** 9], "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+
+
 def test_completion_log_probs_one_per_generated_token(client):
     reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=5, temperature=0, logprobs=0)
     logprobs = reply.choices[0].logprobs

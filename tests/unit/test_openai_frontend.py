@@ -130,8 +130,38 @@ def test_extensions_reach_the_engine():
     assert (request.min_tokens, request.top_k, request.repetition_penalty) == (9, 5, 1.1)
 
 
+def test_token_id_prompts_go_as_ids_one_or_a_batch():
+    limits = Limits(context_length=256, vocab_size=500)
+    [one] = completion_plan(CompletionRequest(model="m", prompt=[1, 2, 3]), limits).requests
+    assert (one.prompt_ids, one.prompt) == ((1, 2, 3), "")
+    [(tensor, raw)] = [(t, r) for t, r in ensemble_inputs(one) if t.name in ("input_ids", "text_input")]
+    assert tensor.name == "input_ids" and np.frombuffer(raw, dtype="<i4").tolist() == [1, 2, 3]
+    plan = completion_plan(CompletionRequest(model="m", prompt=[[7, 8], [9]], n=2, seed=5), limits)
+    assert [(r.prompt_ids, r.seed) for r in plan.requests] == [((7, 8), 5), ((7, 8), 6), ((9,), 7), ((9,), 8)]
+    mixed = completion_plan(CompletionRequest(model="m", prompt=["a b", "c"]), limits)
+    assert [r.prompt for r in mixed.requests] == ["a b", "c"]
+
+
+def test_echo_of_token_id_prompts_is_their_decoded_text():
+    plan = completion_plan(CompletionRequest(model="m", prompt=[[1, 2], [3]], echo=True), LIMITS,
+                           decode=lambda ids: "|".join(map(str, ids)))
+    assert plan.echo == ["1|2", "3"]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "must not be empty"),
+    ([[1, 2], []], "must not be empty"),
+    ([1, -2], "token id -2, outside the vocabulary"),
+    ([[1], [500]], "Prompt 1 holds token id 500, outside the vocabulary (0 to 499)"),
+    ([3] * 256, "Prompt 0 has 256 tokens; the model's context holds 256"),
+])
+def test_bad_token_id_prompts_are_refused_naming_the_prompt(prompt, message):
+    with pytest.raises(APIError) as info:
+        completion_plan(CompletionRequest(model="m", prompt=prompt), Limits(context_length=256, vocab_size=500))
+    assert info.value.status == 400 and info.value.param == "prompt" and message in str(info.value)
+
+
 @pytest.mark.parametrize("fields, param", [
-    ({"prompt": [1, 2, 3]}, "prompt"),
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": "a", "logprobs": 0, "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),

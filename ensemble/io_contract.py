@@ -14,7 +14,9 @@ detokenizer decode each streamed chunk in context, the chat-template switch,
 a chat template itself does not get a second BOS), `parse_special_tokens` (the opt-in that lets
 special-token strings in `text_input` become control tokens; `preprocessing.control_tokens`),
 `input_ids` (a prompt the client tokenized itself, sent instead of `text_input`, which is
-therefore optional here: preprocessing refuses a request with neither or both), `min_length`
+therefore optional here: preprocessing refuses a request with neither or both),
+`embedding_bias_ids` (token ids paired with `embedding_bias_weights`, instead of words: OpenAI's
+`logit_bias`), `min_length`
 (genai-perf sends it; an alias of `min_tokens`) and the two token counts NVIDIA added to
 `tensorrt_llm` later.
 
@@ -107,6 +109,7 @@ BAD_WORDS_DICT          STRING  -1
 STOP_WORDS_DICT         STRING  -1
 EMBEDDING_BIAS_WORDS    STRING  -1
 EMBEDDING_BIAS_WEIGHTS  FP32    -1
+EMBEDDING_BIAS_IDS      INT32   -1      ext
 END_ID                  INT32   1
 PAD_ID                  INT32   1
 PROMPT_TABLE_EXTRA_ID   UINT64  1
@@ -282,6 +285,7 @@ prompt_table_extra_id   UINT64  1
 prompt_vocab_size       INT32   1
 embedding_bias_words    STRING  -1
 embedding_bias_weights  FP32    -1
+embedding_bias_ids      INT32   -1      ext
 lora_task_id            UINT64  1
 lora_weights            FP16    -1,-1   ragged
 lora_config             INT32   -1,3    ragged
@@ -330,6 +334,7 @@ TEXT_INPUT_ROUTES = {
     "stop_words": ("preprocessing", "STOP_WORDS_DICT"),
     "embedding_bias_words": ("preprocessing", "EMBEDDING_BIAS_WORDS"),
     "embedding_bias_weights": ("preprocessing", "EMBEDDING_BIAS_WEIGHTS"),
+    "embedding_bias_ids": ("preprocessing", "EMBEDDING_BIAS_IDS"),
     "end_id": ("preprocessing", "END_ID"),
     "pad_id": ("preprocessing", "PAD_ID"),
     "prompt_table_extra_id": ("preprocessing", "PROMPT_TABLE_EXTRA_ID"),

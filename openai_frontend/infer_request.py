@@ -38,6 +38,7 @@ class EngineRequest:
     return_log_probs: bool = False
     guide_type: str | None = None  # guided_decoding_guide_type (json, json_schema, ...)
     guide: str | None = None  # guided_decoding_guide
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias): embedding_bias_ids/_weights
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,11 @@ def _ids(name: str, ids: tuple[int, ...]) -> _Input:
     return tensor, np.asarray(ids, dtype="<i4").tobytes()
 
 
+def _floats(name: str, values: tuple[float, ...]) -> _Input:
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="FP32", shape=(1, len(values)))
+    return tensor, np.asarray(values, dtype="<f4").tobytes()
+
+
 def ensemble_inputs(request: EngineRequest) -> list[_Input]:
     """(tensor description, raw contents) of every input `request` sends."""
     values = dict(_ALWAYS, max_tokens=request.max_tokens)
@@ -91,6 +97,10 @@ def ensemble_inputs(request: EngineRequest) -> list[_Input]:
         inputs.append(_text("guided_decoding_guide_type", request.guide_type))
     if request.guide is not None:
         inputs.append(_text("guided_decoding_guide", request.guide))
+    if request.logit_bias:
+        ids, weights = zip(*request.logit_bias)
+        inputs.append(_ids("embedding_bias_ids", ids))
+        inputs.append(_floats("embedding_bias_weights", weights))
     return inputs
 
 

@@ -8,7 +8,9 @@ names the parameter and the limit:
   top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
 - Completions take a prompt as text, token ids, or a batch of either (choice `index` p*n + i
   for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
-- `suffix`, `logit_bias`, `best_of` other than `n` and tools are refused.
+- `logit_bias` ({token id: -100 to 100}) goes as the ensemble's `embedding_bias_ids` and
+  `embedding_bias_weights`, added to the logits before sampling (as OpenAI defines it).
+- `suffix`, `best_of` other than `n` and tools are refused.
 - A prompt's size is checked before it is rendered or tokenized (`ensemble.limits`): its bytes
   against `max_input_bytes`, then its tokens against the context.
 - Chat's `response_format` `json_object` / `json_schema` becomes the ensemble's guided decoding
@@ -72,11 +74,29 @@ def _common_checks(req: GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                           "stream_options")
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported by this server.", "logit_bias",
-                          "unsupported_parameter")
     if any(not s for s in req.stop_strings):
         raise bad_request("Stop sequences must not be empty.", "stop")
+
+
+def _logit_bias(req: GenerationRequest, limits: Limits) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's `logit_bias` ({token id as a string: -100 to 100}, added to the logits before
+    sampling) as (id, bias) pairs for the ensemble's `embedding_bias_ids` / `_weights`."""
+    if not req.logit_bias:
+        return None
+    pairs = []
+    for key, bias in req.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id.", "logit_bias") from None
+        if token < 0 or (limits.vocab_size is not None and token >= limits.vocab_size):
+            raise bad_request(f"logit_bias token id {token} is outside the vocabulary "
+                              f"(0 to {(limits.vocab_size or 0) - 1}).", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias value {bias} for token {token} is outside -100 to 100.",
+                              "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
 def _seed(req: GenerationRequest, index: int) -> int | None:
@@ -85,7 +105,7 @@ def _seed(req: GenerationRequest, index: int) -> int | None:
 
 
 def _engine_requests(req: GenerationRequest, prompt: str | list[int], max_tokens: int, num_choices: int,
-                     add_special_tokens: bool | None, logprobs: bool,
+                     add_special_tokens: bool | None, logprobs: bool, limits: Limits,
                      first_index: int = 0) -> list[EngineRequest]:
     text, ids = (prompt, None) if isinstance(prompt, str) else ("", tuple(prompt))
     base = EngineRequest(
@@ -97,7 +117,8 @@ def _engine_requests(req: GenerationRequest, prompt: str | list[int], max_tokens
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
         # The engine never ends before min_tokens, so ignore_eos is min_tokens = max_tokens.
-        min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs)
+        min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs,
+        logit_bias=_logit_bias(req, limits))
     return [replace(base, seed=_seed(req, first_index + i)) for i in range(num_choices)]
 
 
@@ -161,7 +182,7 @@ def completion_plan(req: CompletionRequest, limits: Limits,
     requests, echo = [], []
     for p, prompt in enumerate(prompts):
         # Completions keep the tokenizer's own rule for special tokens (BOS for most models).
-        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, first_index=p * n)
+        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, limits, first_index=p * n)
         echo += [_echo_text(prompt, decode) if req.echo else ""] * n
     return Plan(requests, n, echo, req.stop_strings, logprobs, bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
@@ -200,7 +221,7 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
     n = req.n or 1
     guide = dict(zip(("guide_type", "guide"), _guide(req.response_format)))
     requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, None,
-                                                              bool(req.logprobs))]
+                                                              bool(req.logprobs), limits)]
     return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
 

@@ -169,6 +169,26 @@ class TextTokenizer:
             out[b, 1, :len(offsets)] = offsets
         return out
 
+    def embedding_bias_of_ids(self, ids: list[int], weights: list[float]) -> np.ndarray:
+        """Per-token logit bias, float32 `[vocab_size]`, from token ids and their weights
+        (`embedding_bias_ids`: OpenAI's `logit_bias`); `[0]` when there are none. An id given
+        twice gets both weights. InputError for lists of different lengths, too many ids, an id
+        outside the vocabulary, or a NaN / +inf weight."""
+        if len(ids) != len(weights):
+            raise InputError(f"embedding_bias_ids has {len(ids)} entries but embedding_bias_weights "
+                             f"has {len(weights)}")
+        if not ids:
+            return np.zeros((0,), dtype=np.float32)
+        check_count("embedding_bias_ids", len(ids), self.max_num_words, "max_num_words")
+        _check_bias_weights(weights)
+        outside = [i for i in ids if i < 0 or i >= self.vocab_size]
+        if outside:
+            raise InputError(f"embedding_bias_ids holds {outside[0]}, outside the vocabulary "
+                             f"(0 to {self.vocab_size - 1})")
+        bias = np.zeros((self.vocab_size,), dtype=np.float32)
+        np.add.at(bias, np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32))
+        return bias
+
     def embedding_bias(self, words: list[str], weights: list[float]) -> np.ndarray:
         """Per-token logit bias, float32 `[vocab_size]`; `[0]` when there are no words.
 
@@ -181,10 +201,7 @@ class TextTokenizer:
         if not words:
             return np.zeros((0,), dtype=np.float32)
         check_count("embedding_bias_words", len(words), self.max_num_words, "max_num_words")
-        bad = [w for w in weights if np.isnan(w) or w == np.inf]
-        if bad:
-            raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a "
-                             f"word), got {bad[0]}")
+        _check_bias_weights(weights)
         bias = np.zeros((self.vocab_size,), dtype=np.float32)
         for word, weight in zip(words, weights):
             ids = self._word_ids(word)
@@ -192,3 +209,10 @@ class TextTokenizer:
                 raise InputError(f"embedding bias word {word!r} maps outside the vocabulary")
             np.add.at(bias, np.asarray(ids, dtype=np.int64), np.float32(weight))
         return bias
+
+
+def _check_bias_weights(weights: list[float]) -> None:
+    bad = [w for w in weights if np.isnan(w) or w == np.inf]
+    if bad:
+        raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a token), "
+                         f"got {bad[0]}")

@@ -113,15 +113,18 @@ def test_stop_words_end_generation(server):
     assert stopped.endswith(" 7") and len(stopped) < len(free)
 
 
-def test_bad_words_and_embedding_bias_steer_generation(server):
-    """Word lists and a bias reach the engine through the ensemble and the BLS model
-    (preprocessing sends them to the engine only when they hold something)."""
+def test_bad_words_and_embedding_bias_steer_generation(server, tokenizer):
+    """Word lists and a bias (by words, or by token ids) reach the engine through the ensemble
+    and the BLS model (preprocessing sends them to the engine only when they hold something)."""
     values = {"text_input": "Count: 1, 2, 3, 4, 5,", "max_tokens": 12, "stream": False,
               "exclude_input_in_output": True}
     free = server.stream(values).text
     assert free.startswith(" 6")
+    six = tokenizer(" 6", add_special_tokens=False)["input_ids"]
     banned = ({"bad_words": [" 6"]},
-              {"embedding_bias_words": [" 6"], "embedding_bias_weights": np.array([[-np.inf]], np.float32)})
+              {"embedding_bias_words": [" 6"], "embedding_bias_weights": np.array([[-np.inf]], np.float32)},
+              {"embedding_bias_ids": np.array([six], np.int32),
+               "embedding_bias_weights": np.full((1, len(six)), -np.inf, np.float32)})
     for model in ("ensemble", "tensorrt_llm_bls"):
         for extra in banned:
             result = server.stream({**values, **extra}, model=model)

@@ -157,6 +157,23 @@ def test_token_id_prompts_generate_what_their_text_does(client, frontend, tokeni
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
 
 
+def test_logit_bias_bans_and_forces_tokens(client, frontend, tokenizer):
+    """OpenAI's logit_bias through the ensemble's embedding_bias_ids: -100 bans the greedy next
+    token, +100 forces another; an id outside the vocabulary is a 400 naming logit_bias."""
+    plain = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=1, temperature=0)
+    greedy = tokenizer(plain.choices[0].text, add_special_tokens=False)["input_ids"][0]
+    banned = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=1, temperature=0,
+                                       logit_bias={str(greedy): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    forced_id = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    forced = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=2, temperature=0,
+                                       logit_bias={str(forced_id): 100})
+    assert tokenizer(forced.choices[0].text, add_special_tokens=False)["input_ids"] == [forced_id] * 2
+    reply = _post(frontend, "/v1/completions",
+                  {"model": "ensemble", "prompt": COUNT, "logit_bias": {str(10 ** 7): 1}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias"
+
+
 def test_completion_log_probs_one_per_generated_token(client):
     reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=5, temperature=0, logprobs=0)
     logprobs = reply.choices[0].logprobs

@@ -142,6 +142,22 @@ def test_token_id_prompts_go_as_ids_one_or_a_batch():
     assert [r.prompt for r in mixed.requests] == ["a b", "c"]
 
 
+def test_logit_bias_goes_as_embedding_bias_ids_and_weights():
+    limits = Limits(context_length=256, vocab_size=500)
+    [request] = completion_plan(CompletionRequest(model="m", prompt="a", logit_bias={"5": 100, "17": -2.5}),
+                                limits).requests
+    assert request.logit_bias == ((5, 100.0), (17, -2.5))
+    raw = {t.name: (t, r) for t, r in ensemble_inputs(request)}
+    assert np.frombuffer(raw["embedding_bias_ids"][1], dtype="<i4").tolist() == [5, 17]
+    assert np.frombuffer(raw["embedding_bias_weights"][1], dtype="<f4").tolist() == [100.0, -2.5]
+    assert list(raw["embedding_bias_ids"][0].shape) == [1, 2] and raw["embedding_bias_weights"][0].datatype == "FP32"
+    with pytest.raises(APIError) as info:
+        completion_plan(CompletionRequest(model="m", prompt="a", logit_bias={"500": 1}), limits)
+    assert info.value.param == "logit_bias" and "outside the vocabulary (0 to 499)" in str(info.value)
+    chat = chat_plan(_chat(logit_bias={"8": -100}), ChatRenderer(FakeTokenizer(), "m"), limits)
+    assert chat.requests[0].logit_bias == ((8, -100.0),)
+
+
 def test_echo_of_token_id_prompts_is_their_decoded_text():
     plan = completion_plan(CompletionRequest(model="m", prompt=[[1, 2], [3]], echo=True), LIMITS,
                            decode=lambda ids: "|".join(map(str, ids)))
@@ -166,7 +182,9 @@ def test_bad_token_id_prompts_are_refused_naming_the_prompt(prompt, message):
     ({"prompt": "a", "logprobs": 0, "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
-    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"-1": 1.0}}, "logit_bias"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "max_tokens": 256}, "max_tokens"),
     ({"prompt": "a", "stop": ["ok", ""]}, "stop"),

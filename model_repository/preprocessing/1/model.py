@@ -116,9 +116,15 @@ class TritonPythonModel:
         bias_words = _strings(find("EMBEDDING_BIAS_WORDS"))
         bias_weights = find("EMBEDDING_BIAS_WEIGHTS")
         bias_weights = bias_weights.as_numpy().reshape(batch, -1) if bias_weights is not None else None
-        biases = [self.tokenizer.embedding_bias(
-                      bias_words[b] if b < len(bias_words) else [],
-                      bias_weights[b].tolist() if bias_weights is not None else [])
+        bias_ids = find("EMBEDDING_BIAS_IDS")
+        bias_ids = bias_ids.as_numpy().reshape(batch, -1) if bias_ids is not None else None
+        if bias_ids is not None and any(len(words) for words in bias_words):
+            raise InputError("send embedding_bias_words or embedding_bias_ids with embedding_bias_weights, "
+                             "not both")
+        weights_of = (lambda b: bias_weights[b].tolist() if bias_weights is not None else [])
+        biases = [self.tokenizer.embedding_bias_of_ids(bias_ids[b].tolist(), weights_of(b))
+                  if bias_ids is not None else
+                  self.tokenizer.embedding_bias(bias_words[b] if b < len(bias_words) else [], weights_of(b))
                   for b in range(batch)]
         bias_width = max(len(b) for b in biases)
         embedding_bias = np.zeros((batch, bias_width), dtype=np.float32)

@@ -89,14 +89,16 @@ def create_app(client: TritonClient, served: ServedModel,
     async def completions(body: CompletionRequest, request: Request):
         served.check(body.model)
         plan = completion_plan(body, served.limits, served.renderer.decode)
-        ctx = Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan)
+        ctx = Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan,
+                      served.renderer.token_text)
         return await generate(request, plan, ctx, CompletionStream, completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served.check(body.model)
         plan = chat_plan(body, served.renderer, served.limits)
-        ctx = Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan)
+        ctx = Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan,
+                      served.renderer.token_text)
         return await generate(request, plan, ctx, ChatStream, chat_completion)
 
     fast = FastPath(app, {"/v1/completions": (CompletionRequest, completions),

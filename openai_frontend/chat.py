@@ -54,6 +54,15 @@ class ChatRenderer:
     def __init__(self, tokenizer, model_name: str) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (a top log prob's alternative), special tokens included.
+        Every streamed token with top log probs asks for up to 20, so each is decoded once."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as text, special tokens included (a prompt echoed as it was sent)."""

@@ -1,10 +1,10 @@
 """One OpenAI request's choices, generated through Triton: text, stop strings, log probs, counts.
 
 `run_choice` streams one choice: it feeds each engine chunk to a `StopMatcher`, releases whole
-chunks once no stop string can start in them (so a chunk's text and its log probs leave
-together), and on a match stops reading, which cancels the Triton request. `merge` interleaves
-the choices of one request as their chunks arrive; `collect` gathers them for a non-streamed
-answer. Both are independent of HTTP.
+chunks once no stop string can start in them (so a chunk's text, its log probs and their
+alternatives leave together), and on a match stops reading, which cancels the Triton request.
+`merge` interleaves the choices of one request as their chunks arrive; `collect` gathers them
+for a non-streamed answer. Both are independent of HTTP.
 """
 
 from __future__ import annotations
@@ -13,10 +13,20 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from openai_frontend.errors import APIError
 from openai_frontend.stop import StopMatcher
 from openai_frontend.triton_client import EngineRequest, TritonClient
+
+
+class Token(NamedTuple):
+    """One generated token as released: its text (decoded in context), its log prob, and the
+    alternatives the engine returned for it, (token id, log prob), the most likely first."""
+
+    text: str
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -25,7 +35,7 @@ class ChoiceEvent:
 
     index: int
     text: str
-    tokens: list[tuple[str, float]] = field(default_factory=list)  # (token text, log prob)
+    tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, as the engine counts them
@@ -36,10 +46,12 @@ class _Piece:
     start: int  # offset of `text` in the choice's generated text
     text: str
     log_probs: list[float]
+    top: list[list[tuple[int, float]]]  # per token, when the engine sent alternatives; else empty
 
-    def tokens(self, text: str) -> list[tuple[str, float]]:
+    def tokens(self, text: str) -> list[Token]:
         # A streamed chunk is one token; should one carry several, the text goes to the first.
-        return [(text if i == 0 else "", lp) for i, lp in enumerate(self.log_probs)]
+        return [Token(text if i == 0 else "", lp, self.top[i] if i < len(self.top) else [])
+                for i, lp in enumerate(self.log_probs)]
 
 
 class _Releaser:
@@ -49,11 +61,12 @@ class _Releaser:
         self.pieces: list[_Piece] = []
         self.end = 0
 
-    def add(self, text: str, log_probs: list[float] | None) -> None:
-        self.pieces.append(_Piece(self.end, text, log_probs or []))
+    def add(self, text: str, log_probs: list[float] | None,
+            top_log_probs: list[list[tuple[int, float]]] | None = None) -> None:
+        self.pieces.append(_Piece(self.end, text, log_probs or [], top_log_probs or []))
         self.end += len(text)
 
-    def release(self, safe_end: int, final: bool = False) -> tuple[str, list[tuple[str, float]]]:
+    def release(self, safe_end: int, final: bool = False) -> tuple[str, list[Token]]:
         """Whole pieces that end by `safe_end`; when `final`, also the part of the next one
         that starts before it (the text before a stop string)."""
         texts, tokens = [], []
@@ -81,7 +94,7 @@ async def run_choice(client: TritonClient, request: EngineRequest, index: int, s
     async with aclosing(client.generate(request, request_id)) as chunks:
         async for chunk in chunks:
             last = chunk
-            pending.add(chunk.text, chunk.log_probs)
+            pending.add(chunk.text, chunk.log_probs, chunk.top_log_probs)
             safe_end = matcher.feed(chunk.text)
             if matcher.stopped:
                 break  # leaving the block cancels the Triton request
@@ -141,7 +154,7 @@ async def merge(streams: Sequence[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[
 @dataclass
 class ChoiceResult:
     text: str = ""
-    tokens: list[tuple[str, float]] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
     finish_reason: str = "stop"
     num_input_tokens: int = 0
     num_output_tokens: int = 0

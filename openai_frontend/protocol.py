@@ -108,11 +108,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
 class TokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # chat's top_logprobs entries
 
 
 class ChoiceLogprobs(BaseModel):

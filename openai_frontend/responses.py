@@ -5,18 +5,22 @@ later ones only content, the last one the finish reason; with `stream_options.in
 every chunk has `"usage": null` and one more chunk with no choices carries the usage. Token
 strings in log probs are each token's text decoded in context (a token that ends inside a
 multi-byte character has an empty string, the next one the whole character), so they always
-add up to the returned text.
+add up to the returned text. The top alternatives are token ids, each shown as the served
+tokenizer's text of that one token (`Context.token_text`): chat lists them as OpenAI's
+TopLogprob entries, most likely first; completions as one {text: log prob} dict per token, where
+two ids of the same text keep the larger log prob.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from openai_frontend.generation import ChoiceEvent, ChoiceResult
+from openai_frontend.generation import ChoiceEvent, ChoiceResult, Token
 from openai_frontend.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                       ChatCompletionChunk, ChoiceLogprobs, Completion, CompletionChoice,
-                                      CompletionLogprobs, TokenLogprob, Usage)
+                                      CompletionLogprobs, TokenLogprob, TopLogprob, Usage)
 from openai_frontend.sampling import Plan
 
 
@@ -28,6 +32,8 @@ class Context:
     created: int
     model: str
     plan: Plan
+    # A token id's text (the served tokenizer's); needed when plan.top_logprobs > 0.
+    token_text: Callable[[int], str] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -45,25 +51,39 @@ def usage(ctx: Context, input_tokens: list[int], output_tokens: list[int]) -> Us
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_logprobs(tokens: list[tuple[str, float]]) -> ChoiceLogprobs:
-    return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-                                   for t, lp in tokens])
+def chat_logprobs(ctx: Context, tokens: list[Token]) -> ChoiceLogprobs:
+    def top(token: Token) -> list[TopLogprob]:
+        texts = [ctx.token_text(token_id) for token_id, _ in token.top]
+        return [TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+                for text, (_, lp) in zip(texts, token.top)]
+
+    return ChoiceLogprobs(content=[TokenLogprob(token=t.text, logprob=t.logprob,
+                                                bytes=list(t.text.encode("utf-8")), top_logprobs=top(t))
+                                   for t in tokens])
 
 
-def completion_logprobs(tokens: list[tuple[str, float]], offset: int) -> CompletionLogprobs:
+def completion_logprobs(ctx: Context, tokens: list[Token], offset: int) -> CompletionLogprobs:
     offsets = []
-    for text, _ in tokens:
+    for token in tokens:
         offsets.append(offset)
-        offset += len(text)
-    return CompletionLogprobs(tokens=[t for t, _ in tokens], token_logprobs=[lp for _, lp in tokens],
-                              top_logprobs=None, text_offset=offsets)
+        offset += len(token.text)
+    top_logprobs = None
+    if ctx.plan.top_logprobs:
+        top_logprobs = []
+        for token in tokens:
+            alternatives: dict[str, float] = {}
+            for token_id, lp in token.top:  # most likely first: a repeated text keeps its larger log prob
+                alternatives.setdefault(ctx.token_text(token_id), lp)
+            top_logprobs.append(alternatives)
+    return CompletionLogprobs(tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                              top_logprobs=top_logprobs, text_offset=offsets)
 
 
 # ----- whole answers ---------------------------------------------------------------------------
 
 def chat_completion(ctx: Context, results: list[ChoiceResult]) -> ChatCompletion:
     choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text),
-                          logprobs=chat_logprobs(r.tokens) if ctx.plan.logprobs else None,
+                          logprobs=chat_logprobs(ctx, r.tokens) if ctx.plan.logprobs else None,
                           finish_reason=r.finish_reason)
                for i, r in enumerate(results)]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
@@ -73,7 +93,7 @@ def chat_completion(ctx: Context, results: list[ChoiceResult]) -> ChatCompletion
 
 def completion(ctx: Context, results: list[ChoiceResult]) -> Completion:
     choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                logprobs=completion_logprobs(r.tokens, 0) if ctx.plan.logprobs else None)
+                                logprobs=completion_logprobs(ctx, r.tokens, 0) if ctx.plan.logprobs else None)
                for i, r in enumerate(results)]
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                       usage=usage(ctx, [r.num_input_tokens for r in results],
@@ -131,7 +151,7 @@ class ChatStream(_StreamState):
             return self.fast_json({"index": event.index, "delta": delta, "logprobs": None,
                                    "finish_reason": event.finish_reason})
         choice = ChatChunkChoice(index=event.index, delta=delta, finish_reason=event.finish_reason,
-                                 logprobs=chat_logprobs(event.tokens) if self.ctx.plan.logprobs else None)
+                                 logprobs=chat_logprobs(self.ctx, event.tokens) if self.ctx.plan.logprobs else None)
         return self.dump(ChatCompletionChunk(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,
                                              choices=[choice]))
 
@@ -146,7 +166,7 @@ class CompletionStream(_StreamState):
         self.record(event)
         logprobs = None
         if self.ctx.plan.logprobs:
-            logprobs = completion_logprobs(event.tokens, self.offsets[event.index])
+            logprobs = completion_logprobs(self.ctx, event.tokens, self.offsets[event.index])
         self.offsets[event.index] += len(event.text)
         if logprobs is None:
             return self.fast_json({"index": event.index, "text": event.text, "logprobs": None,

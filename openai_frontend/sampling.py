@@ -4,8 +4,10 @@ The rules of what this server can and cannot honour live here, each refused with
 names the parameter and the limit:
 - `n` > 1 becomes n independent requests (the engine takes one return sequence per request);
   with a `seed`, choice i uses seed + i so the choices differ yet stay reproducible.
-- Log probabilities are returned for the chosen tokens only: the engine does not compute the
-  top alternatives, so `top_logprobs` > 0 (chat) and `logprobs` > 0 (completions) are refused.
+- Log probabilities: chat's `logprobs` / completions' `logprobs` ask for the chosen tokens'
+  (`return_log_probs`); chat's `top_logprobs` (0 to 20, with `logprobs` true) and completions'
+  `logprobs` (0 to 5) also ask for that many alternatives per token (`num_top_log_probs`).
+  Completions' `echo` with `logprobs` is refused: the engine returns no prompt log probs.
 - Completions take a prompt as text, token ids, or a batch of either (choice `index` p*n + i
   for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
 - `logit_bias` ({token id: -100 to 100}) goes as the ensemble's `embedding_bias_ids` and
@@ -66,6 +68,7 @@ class Plan:
     echo: list[str] = field(default_factory=list)  # text prepended to choice i (completions' echo)
     stops: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token in the log probs (num_top_log_probs)
     stream: bool = False
     include_usage: bool = False
 
@@ -105,7 +108,7 @@ def _seed(req: GenerationRequest, index: int) -> int | None:
 
 
 def _engine_requests(req: GenerationRequest, prompt: str | list[int], max_tokens: int, num_choices: int,
-                     add_special_tokens: bool | None, logprobs: bool, limits: Limits,
+                     add_special_tokens: bool | None, logprobs: bool, top_logprobs: int, limits: Limits,
                      first_index: int = 0) -> list[EngineRequest]:
     text, ids = (prompt, None) if isinstance(prompt, str) else ("", tuple(prompt))
     base = EngineRequest(
@@ -118,7 +121,7 @@ def _engine_requests(req: GenerationRequest, prompt: str | list[int], max_tokens
         presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
         # The engine never ends before min_tokens, so ignore_eos is min_tokens = max_tokens.
         min_tokens=max_tokens if req.ignore_eos else req.min_tokens, return_log_probs=logprobs,
-        logit_bias=_logit_bias(req, limits))
+        num_top_log_probs=top_logprobs, logit_bias=_logit_bias(req, limits))
     return [replace(base, seed=_seed(req, first_index + i)) for i in range(num_choices)]
 
 
@@ -170,9 +173,6 @@ def completion_plan(req: CompletionRequest, limits: Limits,
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise bad_request("'best_of' must equal 'n' (or be left out): choices are not ranked.", "best_of")
-    if req.logprobs:
-        raise bad_request(f"'logprobs' is {req.logprobs}, but this engine returns only the chosen token's "
-                          "log probability: use logprobs=0.", "logprobs", "unsupported_value")
     logprobs = req.logprobs is not None
     if req.echo and logprobs:
         raise bad_request("'echo' with 'logprobs' is not supported: the engine does not return the "
@@ -182,9 +182,10 @@ def completion_plan(req: CompletionRequest, limits: Limits,
     requests, echo = [], []
     for p, prompt in enumerate(prompts):
         # Completions keep the tokenizer's own rule for special tokens (BOS for most models).
-        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, limits, first_index=p * n)
+        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, req.logprobs or 0, limits,
+                                     first_index=p * n)
         echo += [_echo_text(prompt, decode) if req.echo else ""] * n
-    return Plan(requests, n, echo, req.stop_strings, logprobs, bool(req.stream),
+    return Plan(requests, n, echo, req.stop_strings, logprobs, req.logprobs or 0, bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
 
 
@@ -202,10 +203,6 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
         raise bad_request("Tool calling is not supported by this server.", "tools", "unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    if req.top_logprobs:
-        raise bad_request(f"'top_logprobs' is {req.top_logprobs}, but this engine returns only the chosen "
-                          "token's log probability: use top_logprobs=0 or leave it out.", "top_logprobs",
-                          "unsupported_value")
     limits.check_prompt_bytes(sum(_message_bytes(m) for m in req.messages), "messages")
     prompt = renderer.encode(req.messages)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -220,9 +217,10 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
     _check_max_tokens(max_tokens, limits, param)
     n = req.n or 1
     guide = dict(zip(("guide_type", "guide"), _guide(req.response_format)))
+    top_logprobs = req.top_logprobs or 0
     requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, None,
-                                                              bool(req.logprobs), limits)]
-    return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), bool(req.stream),
+                                                              bool(req.logprobs), top_logprobs, limits)]
+    return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), top_logprobs, bool(req.stream),
                 bool(req.stream_options and req.stream_options.include_usage))
 
 

@@ -25,12 +25,14 @@ class EngineFeatures:
     perf_metrics: bool = False
     guided_decoding: bool = False  # the model was loaded with guided_decoding_backend set
     lora: bool = False
+    top_log_probs: bool = False  # num_top_log_probs (ours: the executor interface has no such field)
 
 
 # What `inflight.engine.llm_engine` has today (max_beam_width comes from the ExecutorConfig).
 BUILTIN_FEATURES = EngineFeatures(beam_search=True, multiple_sequences=True, context_logits=True, generation_logits=True,
-                                  perf_metrics=True)
-# TensorRT-LLM does everything itself (and checks it against its own build).
+                                  perf_metrics=True, top_log_probs=True)
+# TensorRT-LLM does everything itself (and checks it against its own build), but for the top
+# log probs, which its executor's OutputConfig does not have.
 ALL_FEATURES = EngineFeatures(max_beam_width=1 << 10, beam_search=True, multiple_sequences=True,
                               context_logits=True, generation_logits=True, perf_metrics=True,
                               guided_decoding=True, lora=True)
@@ -60,6 +62,7 @@ def unsupported(request: Request, features: EngineFeatures) -> str | None:
         (output.return_context_logits, features.context_logits, "return_context_logits"),
         (output.return_generation_logits, features.generation_logits, "return_generation_logits"),
         (output.return_perf_metrics, features.perf_metrics, "return_perf_metrics"),
+        (output.num_top_log_probs > 0, features.top_log_probs, "num_top_log_probs"),
     )
     for asked, can, what in checks:
         if asked and not can:

@@ -145,6 +145,17 @@ class OutputConfig:
     exclude_input_from_output: bool = False
     return_encoder_output: bool = False
     return_perf_metrics: bool = False
+    # Extension (TensorRT-LLM's LLM API calls it SamplingParams.logprobs): the K most likely
+    # tokens and their log probs at each generated position, 0 to MAX_TOP_LOG_PROBS.
+    num_top_log_probs: int = 0
+
+    def __post_init__(self) -> None:
+        _require("num_top_log_probs", self.num_top_log_probs,
+                 isinstance(self.num_top_log_probs, int) and 0 <= self.num_top_log_probs <= MAX_TOP_LOG_PROBS,
+                 f"must be 0 to {MAX_TOP_LOG_PROBS}")
+
+
+MAX_TOP_LOG_PROBS = 20  # OpenAI's bound for top_logprobs
 
 
 @dataclass
@@ -244,6 +255,10 @@ class Result:
     output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
     cum_log_probs: list[float] | None = None
     log_probs: list[list[float]] | None = None
+    # num_top_log_probs > 0: per beam, per token of this response, the K most likely tokens'
+    # log probs (descending) and their ids.
+    top_log_probs: list[list[list[float]]] | None = None
+    top_log_prob_ids: list[list[list[int]]] | None = None
     finish_reasons: list[FinishReason] = field(default_factory=lambda: [FinishReason.NOT_FINISHED])
     sequence_index: int = 0
     is_sequence_final: bool = False

@@ -101,6 +101,8 @@ class RequestIntake:
             raise RequestError("beam search is not supported with tensor_parallel_size > 1 yet")
         if beam_width > 1 and request.guided_decoding_params is not None:
             raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
+        if beam_width > 1 and request.output_config.num_top_log_probs:
+            raise RequestError("num_top_log_probs is not supported with beam search (beam_width > 1)")
         num_sequences = request.sampling_config.num_sequences
         if beam_width == 1 and num_sequences > self.config.max_batch_size:
             # Checked before any sequence state is built: each would cost memory up front.

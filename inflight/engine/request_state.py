@@ -54,6 +54,8 @@ class RequestState:
     # Guided decoding: the sequence's grammar matcher (inflight.sampling.grammar.GuideMatcher).
     guide: Any = None
     log_probs: list[float] = field(default_factory=list)
+    # num_top_log_probs > 0: per generated token, (the K log probs, their ids), descending.
+    top_log_probs: list[tuple[list[float], list[int]]] = field(default_factory=list)
     num_streamed_tokens: int = 0  # generated tokens already sent in streaming responses
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     sequence_index: int = 0
@@ -111,6 +113,7 @@ class RequestState:
             embedding_bias=self.embedding_bias,
             generator=self.generator,
             return_log_probs=self.request.output_config.return_log_probs,
+            num_top_log_probs=self.request.output_config.num_top_log_probs,
             guide=self.guide,
         )
 
@@ -124,7 +127,8 @@ class RequestState:
             self.seq.token_ids.pop()
 
     def accept_token(self, token: int, log_prob: float | None,
-                     generation_logits: torch.Tensor | None = None) -> None:
+                     generation_logits: torch.Tensor | None = None,
+                     top: tuple[list[float], list[int]] | None = None) -> None:
         """The sampled token arrived: it replaces the placeholder (or is dropped at end_id, or
         at a stop token that ends the request's grammar: neither is ever part of the output),
         and the stop conditions are checked. A failing user `stopping_criteria` raises, and so
@@ -144,6 +148,8 @@ class RequestState:
         tokens.append(token)
         if log_prob is not None:
             self.log_probs.append(log_prob)
+        if top is not None:
+            self.top_log_probs.append(top)
         max_num_tokens, has_stop_rules = self._stop_limits
         if has_stop_rules:
             self.finish_reason = self._check_stop()
@@ -198,7 +204,8 @@ class RequestState:
     @cached_property
     def _plain_chunks(self) -> bool:
         """Whether a chunk carries only tokens (no log probs, logits or metrics): fixed."""
-        return not self.request.output_config.return_log_probs and not self.outputs.is_asked
+        config = self.request.output_config
+        return not config.return_log_probs and not config.num_top_log_probs and not self.outputs.is_asked
 
     def response(self, is_final: bool, is_sequence_final: bool | None = None) -> Response:
         """This sequence's next response. `is_final`: the request's last; `is_sequence_final`
@@ -206,6 +213,7 @@ class RequestState:
         request, seq = self.request, self.seq
         num_prompt = seq.num_prompt_tokens
         num_generated = len(seq.token_ids) - num_prompt
+        first_new = self.num_streamed_tokens if request.streaming else 0
         if request.streaming:  # only the new tokens are copied: this runs per row per step
             output = seq.token_ids[num_prompt + self.num_streamed_tokens:]
             new_log_probs = self.log_probs[self.num_streamed_tokens:]
@@ -226,6 +234,10 @@ class RequestState:
             num_input_tokens=num_prompt,
             num_output_tokens=num_generated,
         )
+        if request.output_config.num_top_log_probs:  # the generated tokens' alternatives
+            top = self.top_log_probs[first_new:]
+            result.top_log_probs = [[values for values, _ in top]]
+            result.top_log_prob_ids = [[ids for _, ids in top]]
         if self.outputs.is_asked:  # logits or perf metrics
             self.outputs.fill(result, seq, request.streaming)
         return Response(request_id=self.request_id, result=result, client_id=request.client_id)

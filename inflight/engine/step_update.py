@@ -8,6 +8,7 @@ alone; a step that failed on the device fails every request it computed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -65,8 +66,9 @@ class StepUpdate:
         live, not_finished = self.live.requests, FinishReason.NOT_FINISHED
         vocab_size, errors = self.vocab_size, output.errors
         fail_request, compact = self.live.fail_request, self.compact_stream_chunks
-        for row, (state, token, log_prob) in enumerate(zip(flight.states, output.token_ids,
-                                                            output.log_probs)):
+        tops = output.top_log_probs or itertools.repeat(None)
+        for row, (state, token, log_prob, top) in enumerate(zip(flight.states, output.token_ids,
+                                                                 output.log_probs, tops)):
             logits = None
             if logit_rows is not None and state.outputs.config.return_generation_logits:
                 logits = next(logit_rows)
@@ -82,7 +84,7 @@ class StepUpdate:
                     responses.append(fail_request(state, reason))
                     continue
             try:
-                state.accept_token(token, log_prob, logits)
+                state.accept_token(token, log_prob, logits, top)
             except GuideViolation as exc:
                 responses.append(fail_request(state, str(exc)))
                 continue

@@ -64,6 +64,7 @@ class SamplingRow:
     embedding_bias: torch.Tensor | None = None  # [vocab], added to the logits first
     generator: torch.Generator | None = None  # per-request RNG on the logits' device
     return_log_probs: bool = False
+    num_top_log_probs: int = 0  # the K most likely tokens' log probs too (same distribution)
     beam: BeamRow | None = None  # set on the rows of a beam search request (its token is unused)
     # Guided decoding: the request's grammar matcher (it has accepted every token so far);
     # only the tokens it allows can be sampled.
@@ -84,7 +85,7 @@ class SamplingRow:
         """Argmax with nothing applied to the logits at any step and no log probs. Cached: a
         row's parameters are fixed once it is built (only `token_ids` grows)."""
         return (self.beam is None and self.is_greedy and not self.return_log_probs
-                and self.repetition_penalty == 1.0
+                and not self.num_top_log_probs and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and not self.bad_words and self.embedding_bias is None and self.guide is None
                 and (self.end_id is None or self.min_tokens <= 0))
@@ -126,6 +127,9 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
     beams: dict[int, Candidates] = field(default_factory=dict)  # beam request id -> candidates
+    # Per row: (log probs, ids) of its num_top_log_probs most likely tokens, descending; None
+    # for rows that did not ask (None altogether when none did).
+    top_log_probs: list[tuple[list[float], list[int]] | None] | None = None
 
     def result(self) -> "SamplerOutput":
         """Already on the host: `DeviceSample.result()`'s answer, for samples made there."""
@@ -174,6 +178,8 @@ class DeviceSample:
     _ready: object = None  # torch.cuda.Event recorded after the copies
     beam_groups: list[tuple[int, int]] = field(default_factory=list)  # (request id, K) per group
     beam_values: torch.Tensor | None = None  # [4, sum of K] float64 (beam_search.beam_candidates)
+    top_values: torch.Tensor | None = None  # [2, S, K max] float64: top log probs, their ids
+    top_counts: list[int] = field(default_factory=list)  # per row: its num_top_log_probs
 
     def start_copy(self) -> "DeviceSample":
         """Queues the device -> host copies without waiting (CUDA); a no-op on the CPU."""
@@ -186,6 +192,7 @@ class DeviceSample:
         self._host_logits = (_pinned_copy(self.generation_logits), _pinned_copy(self.context_logits))
         if self.beam_values is not None:
             self.beam_values = self.beam_values.to("cpu", non_blocking=True)
+        self.top_values = _pinned_copy(self.top_values)
         self._ready = torch.cuda.Event()
         self._ready.record()
         return self
@@ -210,7 +217,14 @@ class DeviceSample:
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
                              [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
-                             generation_logits, context_logits, self.errors, beams)
+                             generation_logits, context_logits, self.errors, beams, self._top())
+
+    def _top(self) -> list[tuple[list[float], list[int]] | None] | None:
+        if self.top_values is None:
+            return None
+        log_probs, ids = self.top_values.tolist()  # [S][K max] each
+        return [(lp[:k], [int(i) for i in row_ids[:k]]) if k else None
+                for lp, row_ids, k in zip(log_probs, ids, self.top_counts)]
 
     def _beams(self) -> dict[int, Candidates]:
         if self.beam_values is None:
@@ -269,7 +283,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if all(r.is_plain_greedy for r in rows):  # the common case, checked in one pass
             return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, [False] * len(rows))
-        wants = [r.return_log_probs for r in rows]
+        wants = [r.return_log_probs or r.num_top_log_probs > 0 for r in rows]
         want_log_probs = any(wants)
         if any(r.beam is not None for r in rows):
             return self._with_beams(logits, rows)
@@ -290,7 +304,13 @@ class Sampler:
                                  torch.float32, logits.device).unsqueeze(1)  # [S, 1]
         log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [S, vocab]
         chosen = log_probs.gather(1, tokens.clamp_min(0).unsqueeze(1)).squeeze(1)  # [S]
-        return DeviceSample(tokens, chosen, wants)
+        sample = DeviceSample(tokens, chosen, wants)
+        counts = [r.num_top_log_probs for r in rows]
+        if any(counts):  # one topk over the rows, as wide as the widest ask
+            top = log_probs.topk(max(counts), dim=-1)  # sorted, descending
+            sample.top_values = torch.stack([top.values.double(), top.indices.double()])  # [2, S, K]
+            sample.top_counts = counts
+        return sample
 
     def _with_beams(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
         """A step with beam rows: the other rows sample as usual (beam rows get an unused

@@ -228,6 +228,9 @@ def response_tensors(response: Response, row: RowState) -> dict[str, np.ndarray]
             log_probs = [[0.0] * (len(b) - len(lp)) + lp for b, lp in zip(beams, log_probs)]
         out["cum_log_probs"] = np.asarray([result.cum_log_probs], dtype=np.float32)
         out["output_log_probs"] = _beams(log_probs, np.float32, 0.0)
+    if result.top_log_probs is not None:  # [beam, tokens, K] -> [1, beam, tokens, K]
+        out["top_log_probs"] = np.asarray(result.top_log_probs, dtype=np.float32)[None]
+        out["top_log_prob_ids"] = np.asarray(result.top_log_prob_ids, dtype=np.int32)[None]
     if result.context_logits is not None:  # [prompt_len, vocab] -> [1, prompt_len, vocab]
         out["context_logits"] = np.asarray(result.context_logits, dtype=np.float32)[None]
     if result.generation_logits is not None:  # [beam, steps, vocab] -> [1, beam, steps, vocab]

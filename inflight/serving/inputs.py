@@ -145,11 +145,15 @@ def output_config(inputs, index: int, exclude_input: bool) -> OutputConfig:
     def flag(name: str) -> bool:
         return bool(scalar(inputs, name, index, bool) or False)
 
-    return OutputConfig(return_log_probs=flag("return_log_probs"),
-                        return_context_logits=flag("return_context_logits"),
-                        return_generation_logits=flag("return_generation_logits"),
-                        return_perf_metrics=flag("return_perf_metrics"),
-                        exclude_input_from_output=exclude_input)
+    try:
+        return OutputConfig(return_log_probs=flag("return_log_probs"),
+                            return_context_logits=flag("return_context_logits"),
+                            return_generation_logits=flag("return_generation_logits"),
+                            return_perf_metrics=flag("return_perf_metrics"),
+                            exclude_input_from_output=exclude_input,
+                            num_top_log_probs=int(scalar(inputs, "num_top_log_probs", index, int) or 0))
+    except InvalidValueError as exc:
+        raise RequestError(f"{input_label(exc.field)} {exc.rule}, got {exc.value}") from None
 
 
 def lora_config(inputs, index: int) -> LoraConfig | None:

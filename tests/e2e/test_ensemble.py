@@ -132,6 +132,23 @@ def test_bad_words_and_embedding_bias_steer_generation(server, tokenizer):
             assert " 6" not in result.text, (model, extra, result.text)
 
 
+def test_top_log_probs_pass_through_the_ensemble_and_the_bls_model(server):
+    """num_top_log_probs reaches the engine through both text models, and top_log_probs /
+    top_log_prob_ids come back per streamed token, [1, 1, 1, K], descending."""
+    values = {"text_input": "Count: 1, 2, 3, 4, 5,", "max_tokens": 3, "stream": True,
+              "return_log_probs": True, "num_top_log_probs": np.array([[4]], np.int32)}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        result = server.stream(values, model=model)
+        assert result.error is None, (model, result.error)
+        chunks = [o for o in result.outputs if o.get("top_log_probs") is not None]
+        assert len(chunks) == 3, model
+        for out in chunks:
+            top, ids = out["top_log_probs"], out["top_log_prob_ids"]
+            assert top.shape == ids.shape == (1, 1, 1, 4) and top.dtype == np.float32
+            assert list(top[0, 0, 0]) == sorted(top[0, 0, 0], reverse=True)
+            assert top[0, 0, 0, 0] == out["output_log_probs"].reshape(-1)[-1]  # greedy: chosen first
+
+
 def test_a_plain_request_ends_without_the_outputs_it_does_not_need(server):
     """preprocessing answers the pipeline without word lists, bias or decoder inputs
     (preprocessing.step_outputs): each request still ends, streamed or not, over gRPC and HTTP,

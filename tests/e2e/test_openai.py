@@ -174,6 +174,28 @@ def test_logit_bias_bans_and_forces_tokens(client, frontend, tokenizer):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias"
 
 
+def test_top_log_probs_are_sorted_and_head_with_the_greedy_token(client):
+    """Chat top_logprobs and completions logprobs > 0 through the real engine: K alternatives
+    per token, descending, the greedy token's own log prob first; streamed as whole."""
+    ask = {"model": "ensemble", "messages": CONVERSATION[:2], "max_tokens": 5, "temperature": 0,
+           "logprobs": True, "top_logprobs": 3}
+    content = client.chat.completions.create(**ask).choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        values = [top.logprob for top in item.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and values[0] == item.logprob
+        assert all(top.bytes == list(top.token.encode("utf-8")) for top in item.top_logprobs)
+    streamed = [item for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for item in chunk.choices[0].logprobs.content]
+    assert [[t.logprob for t in i.top_logprobs] for i in streamed] == [[t.logprob for t in i.top_logprobs]
+                                                                      for i in content]
+    reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.top_logprobs) == 4
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == chosen
+
+
 def test_completion_log_probs_one_per_generated_token(client):
     reply = client.completions.create(model="ensemble", prompt=COUNT, max_tokens=5, temperature=0, logprobs=0)
     logprobs = reply.choices[0].logprobs
@@ -199,7 +221,7 @@ def test_raw_sse_ends_with_done(frontend):
     ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": "ensemble", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}],
-                              "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
+                              "top_logprobs": 5}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "wizard", "content": "Hi"}]},
      400, "messages.0.role"),
     # Refused by the engine itself (prompt + max_tokens beyond the context), streamed or not.

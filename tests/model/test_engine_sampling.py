@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inflight.api.config import ExecutorConfig
-from inflight.api.types import FinishReason, OutputConfig, Request, SamplingConfig
+from inflight.api.types import FinishReason, OutputConfig, Request, RequestError, SamplingConfig
 from inflight.engine.llm_engine import LLMEngine
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, final, gen_request, output_tokens, run
 from tests.model.fake_worker import FakeWorker
@@ -152,6 +152,25 @@ def test_embedding_bias_forces_token(engine, prompts, greedy):
                            gen_request(prompts[2], 5, end_id=-1, embedding_bias=[])])  # empty: none
     assert output_tokens(results[0]) == output_tokens(results[1]) == [forced] * 5
     assert output_tokens(results[2]) == greedy[2][0][:5]  # an empty bias is no bias
+
+
+def test_top_log_probs_stream_with_their_tokens(engine, prompts):
+    """num_top_log_probs K: each generated token's K alternatives, streamed with it and whole at
+    the end; greedy tokens head their lists, with their own log probs."""
+    config = OutputConfig(exclude_input_from_output=True, return_log_probs=True, num_top_log_probs=4)
+    streamed, whole = run(engine, [Request(prompts[0], 6, end_id=-1, streaming=True, output_config=config),
+                                   Request(prompts[0], 6, end_id=-1, output_config=config)])
+    result = final(whole).result
+    tokens, ids, values = result.output_token_ids[0], result.top_log_prob_ids[0], result.top_log_probs[0]
+    assert len(ids) == len(values) == len(tokens) == 6 and all(len(row) == 4 for row in ids)
+    assert [row[0] for row in ids] == tokens and [row[0] for row in values] == result.log_probs[0]
+    assert [row for r in streamed for row in r.result.top_log_prob_ids[0]] == ids
+    assert final(run(engine, [gen_request(prompts[0], 2, end_id=-1)])[0]).result.top_log_probs is None
+
+
+def test_top_log_probs_are_bounded():
+    with pytest.raises(RequestError, match="num_top_log_probs must be 0 to 20"):
+        OutputConfig(num_top_log_probs=21)
 
 
 def test_log_probs_sum_to_cum_log_probs(engine, prompts):

@@ -200,3 +200,32 @@ def test_tiny_temperature_is_greedy_and_long_bad_word_ignored():
     processed = Sampler.process_logits(logits, rows)
     assert torch.equal(processed, logits)  # the bad word's prefix is longer than the history
     assert Sampler().sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_log_probs_are_the_k_largest_of_the_same_distribution():
+    """num_top_log_probs: per row its K most likely tokens' log probs, descending, from the
+    distribution the chosen token's log prob comes from (processed logits over the
+    temperature); the chosen token heads the list of a greedy row; rows that did not ask get
+    None, and a row may ask for K without the chosen log prob."""
+    rows = [
+        SamplingRow(token_ids=[1, 2, 3], num_prompt_tokens=2, num_top_log_probs=3, return_log_probs=True,
+                    repetition_penalty=1.5),
+        _random_row(21, temperature=0.7, num_top_log_probs=5),
+        _random_row(22, temperature=1.0),  # did not ask
+    ]
+    logits = random_logits(len(rows), seed=9)
+    out = Sampler().sample(logits, rows)
+    assert out.top_log_probs[2] is None
+    for i in (0, 1):
+        values, ids = out.top_log_probs[i]
+        assert len(values) == len(ids) == rows[i].num_top_log_probs
+        assert values == sorted(values, reverse=True)
+        processed = reference_process(logits[i], rows[i])
+        temperature = rows[i].temperature if rows[i].temperature > 0 else 1.0
+        expected = torch.log_softmax(processed / temperature, dim=-1)
+        noise = log_softmax_noise(VOCAB, float(processed[processed.isfinite()].abs().max()) / temperature)
+        for value, token in zip(values, ids):
+            assert value == pytest.approx(float(expected[token]), abs=noise)
+        assert values[-1] >= float(expected.topk(len(values)).values[-1]) - noise  # none larger left out
+    assert out.top_log_probs[0][1][0] == out.token_ids[0]  # greedy: the chosen token is the top one
+    assert out.top_log_probs[0][0][0] == out.log_probs[0]

@@ -9,13 +9,17 @@ from openai_frontend.sampling import Limits
 from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
 
 LIMITS = Limits(context_length=256)
+SAME_TEXT_IDS = {9: "é", 12: "é"}  # two ids of one text, as BPE vocabularies have
 
 
 class FakeTokenizer:
     """Renders `<role>content` per message then `<assistant>`; a word is a token, numbered by
-    its length."""
+    its length. Decoding gives token n back as n letters w, but 9 and 12 are both "é"."""
 
     chat_template = "fake"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(SAME_TEXT_IDS.get(i, "w" * i) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=True,
                             sanitize_control_tokens=False):
@@ -25,7 +29,10 @@ class FakeTokenizer:
 
 
 class FakeTriton:
-    """Answers every request with `pieces` (one chunk each, log prob -0.5 per token)."""
+    """Answers every request with `pieces` (one chunk each, log prob -0.5 per token) and, when
+    asked for top log probs, the first num_top_log_probs of `alternatives` for every token."""
+
+    ALTERNATIVES = ((5, -0.25), (9, -1.0), (6, -2.0), (12, -3.0), (7, -4.0))  # (id, log prob), sorted
 
     def __init__(self, pieces=("Hel", "lo", " wor", "ld", "!"), error: str | None = None):
         self.pieces = pieces
@@ -45,6 +52,7 @@ class FakeTriton:
                 if self.error and i == 2:
                     raise classify(self.error)
                 self.num_sent += 1
-                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1)
+                top = [list(self.ALTERNATIVES[:request.num_top_log_probs])] if request.num_top_log_probs else None
+                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1, top)
         finally:
             self.num_closed += 1

@@ -10,13 +10,14 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
 
 from ensemble.io_contract import ENSEMBLE
 from openai_frontend.app import ServedModel, create_app
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.generation import ChoiceEvent, collect, merge, run_choice
-from openai_frontend.infer_request import ensemble_inputs
+from openai_frontend.infer_request import decode_chunk, ensemble_inputs
 from openai_frontend.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -35,8 +36,9 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def _choice(triton, stops=(), max_tokens=16, logprobs=False):
-    request = EngineRequest(prompt="p", max_tokens=max_tokens, return_log_probs=logprobs)
+def _choice(triton, stops=(), max_tokens=16, logprobs=False, num_top_log_probs=0):
+    request = EngineRequest(prompt="p", max_tokens=max_tokens, return_log_probs=logprobs,
+                            num_top_log_probs=num_top_log_probs)
     return _run(collect(run_choice(triton, request, 0, stops), 1))[0]
 
 
@@ -44,7 +46,7 @@ def test_a_stop_string_straddling_chunks_ends_the_choice_and_cancels_the_request
     triton = FakeTriton()
     result = _choice(triton, stops=["lo wo"], logprobs=True)
     assert result.text == "Hel" and result.finish_reason == "stop"
-    assert result.tokens == [("Hel", -0.5)]  # the tokens of the released text only
+    assert result.tokens == [("Hel", -0.5, [])]  # the tokens of the released text only
     assert triton.num_sent == 3 and triton.num_closed == 1  # stopped reading at " wor"
     assert result.num_output_tokens == 3 and result.num_input_tokens == 7
 
@@ -61,7 +63,12 @@ def test_a_held_back_prefix_that_never_completes_is_sent_at_the_end():
 
 def test_log_prob_tokens_add_up_to_the_text():
     result = _choice(FakeTriton(), logprobs=True)
-    assert "".join(t for t, _ in result.tokens) == result.text and len(result.tokens) == 5
+    assert "".join(t.text for t in result.tokens) == result.text and len(result.tokens) == 5
+
+
+def test_top_log_probs_leave_with_their_token_even_before_a_stop_string():
+    result = _choice(FakeTriton(), stops=["lo wo"], logprobs=True, num_top_log_probs=2)
+    assert result.tokens == [("Hel", -0.5, [(5, -0.25), (9, -1.0)])]
 
 
 def test_merge_interleaves_choices_and_an_error_cancels_the_others():
@@ -178,8 +185,8 @@ def test_bad_token_id_prompts_are_refused_naming_the_prompt(prompt, message):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": "a", "logprobs": 0, "echo": True}, "echo"),
+    ({"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias"),
@@ -196,8 +203,8 @@ def test_completion_requests_the_engine_cannot_serve_are_refused_by_name(fields,
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
@@ -221,6 +228,47 @@ def test_response_format_becomes_the_ensembles_guided_decoding(response_format, 
     names = [t.name for t, _ in ensemble_inputs(plan.requests[0])]
     assert ("guided_decoding_guide_type" in names) == (guide_type is not None)
     assert ("guided_decoding_guide" in names) == (guide is not None)
+
+
+def test_top_logprobs_ask_every_choice_for_that_many_alternatives():
+    chat = chat_plan(_chat(n=2, logprobs=True, top_logprobs=3), ChatRenderer(FakeTokenizer(), "m"), LIMITS)
+    completion = completion_plan(CompletionRequest(model="m", prompt=["a", "b"], logprobs=2), LIMITS)
+    for plan, num_top in ((chat, 3), (completion, 2)):
+        assert plan.top_logprobs == num_top and len(plan.requests) == 2
+        assert all(r.num_top_log_probs == num_top and r.return_log_probs for r in plan.requests)
+        raw = {t.name: (t, r) for t, r in ensemble_inputs(plan.requests[0])}
+        tensor, value = raw["num_top_log_probs"]
+        assert (tensor.datatype, list(tensor.shape)) == ("INT32", [1, 1])
+        assert np.frombuffer(value, dtype="<i4").tolist() == [num_top]
+    # The chosen tokens' log probs only: no alternatives asked for, no input sent.
+    for plan in (chat_plan(_chat(logprobs=True, top_logprobs=0), ChatRenderer(FakeTokenizer(), "m"), LIMITS),
+                 completion_plan(CompletionRequest(model="m", prompt="a", logprobs=0), LIMITS)):
+        assert plan.top_logprobs == 0 and plan.requests[0].return_log_probs
+        assert "num_top_log_probs" not in [t.name for t, _ in ensemble_inputs(plan.requests[0])]
+
+
+def _response(outputs) -> service_pb2.ModelInferResponse:
+    """A streamed response of the ensemble: (name, datatype, shape, raw bytes) per output."""
+    return service_pb2.ModelInferResponse(
+        outputs=[service_pb2.ModelInferResponse.InferOutputTensor(name=n, datatype=d, shape=s)
+                 for n, d, s, _ in outputs],
+        raw_output_contents=[raw for *_, raw in outputs])
+
+
+def test_a_chunks_top_log_probs_are_read_per_token():
+    ids = np.array([[[[5, 9, 6], [7, 8, 2]]]], dtype="<i4")  # [1, 1, T=2, K=3]
+    values = np.array([[[[-0.25, -1.0, -2.0], [-0.5, -1.5, -3.0]]]], dtype="<f4")
+    chunk = decode_chunk(_response([
+        ("text_output", "BYTES", [1, 1], (2).to_bytes(4, "little") + b"ab"),
+        ("output_log_probs", "FP32", [1, 2], np.array([-0.25, -0.5], dtype="<f4").tobytes()),
+        ("top_log_probs", "FP32", [1, 1, 2, 3], values.tobytes()),
+        ("top_log_prob_ids", "INT32", [1, 1, 2, 3], ids.tobytes()),
+        ("num_input_tokens", "INT32", [1, 1], (7).to_bytes(4, "little")),
+        ("num_output_tokens", "INT32", [1, 1], (2).to_bytes(4, "little"))]))
+    assert (chunk.text, chunk.log_probs, chunk.num_output_tokens) == ("ab", [-0.25, -0.5], 2)
+    assert chunk.top_log_probs == [[(5, -0.25), (9, -1.0), (6, -2.0)], [(7, -0.5), (8, -1.5), (2, -3.0)]]
+    without = decode_chunk(_response([("text_output", "BYTES", [1, 1], (1).to_bytes(4, "little") + b"a")]))
+    assert without.top_log_probs is None
 
 
 def test_inputs_are_encoded_as_tritonclient_encodes_them():
@@ -335,6 +383,56 @@ def test_completion_with_echo_and_n_counts_the_prompt_once():
     assert [c["text"] for c in data["choices"]] == ["SayHello"] * 2
     assert [c["index"] for c in data["choices"]] == [0, 1]
     assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+async def _post_both(path, body):
+    """The whole answer's choice 0, and the chunks of the same request streamed."""
+    whole = (await _post(path, body)).json()
+    reply = await _post(path, dict(body, stream=True))
+    chunks = [json.loads(line.removeprefix("data: ")) for line in reply.text.split("\n\n")
+              if line and line != "data: [DONE]"]
+    return whole["choices"][0], [c["choices"][0] for c in chunks]
+
+
+def _top(text, logprob):
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def test_chat_top_logprobs_list_the_alternatives_as_text_most_likely_first():
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 3}
+    whole, chunks = _run(_post_both("/v1/chat/completions", body))
+    content = whole["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hel", "lo", " wor"]
+    expected = [_top("wwwww", -0.25), _top("é", -1.0), _top("wwwwww", -2.0)]
+    assert all(c["top_logprobs"] == expected for c in content)
+    assert expected[1]["bytes"] == [0xC3, 0xA9]
+    streamed = [item for c in chunks if c["logprobs"] for item in c["logprobs"]["content"]]
+    assert streamed == content
+
+
+def test_completion_top_logprobs_are_a_dict_per_token_and_null_without_them():
+    body = {"model": "m", "prompt": "a", "max_tokens": 2, "logprobs": 4}
+    whole, chunks = _run(_post_both("/v1/completions", body))
+    logprobs = whole["logprobs"]
+    # Ids 9 and 12 are both "é": the text keeps the larger log prob.
+    assert logprobs["top_logprobs"] == [{"wwwww": -0.25, "é": -1.0, "wwwwww": -2.0}] * 2
+    assert logprobs["tokens"] == ["Hel", "lo"] and logprobs["text_offset"] == [0, 3]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"] and c["logprobs"]["tokens"]]
+    assert {key: [item for s in streamed for item in s[key]] for key in logprobs} == logprobs
+    plain, _ = _run(_post_both("/v1/completions", dict(body, logprobs=0)))
+    assert plain["logprobs"]["top_logprobs"] is None and plain["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
+])
+def test_top_log_probs_beyond_openais_ranges_or_with_echo_get_400s(path, body, param):
+    reply = _run(_post(path, dict(body, model="m")))
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

@@ -285,3 +285,21 @@ def test_word_lists_and_guides_are_bounded_before_they_are_read():
         convert.request_rows(_inputs(**guide), True, False, limits)
     assert convert.RequestLimits.from_params({"max_num_words": "9", "max_guide_bytes": "99"}) == \
         convert.RequestLimits(max_num_words=9, max_guide_bytes=99)
+
+
+def test_top_log_probs_cross_the_wire_and_become_tensors():
+    """num_top_log_probs reaches the row's OutputConfig; the K alternatives per token cross the
+    engine-process boundary and go out as [1, beam, tokens, K] top_log_probs / _ids."""
+    from inflight.serving import wire
+
+    [request], _ = convert.request_rows(_inputs(num_top_log_probs=np.array([3], np.int32)), True, True)
+    assert request.output_config.num_top_log_probs == 3
+    with pytest.raises(RequestError, match="num_top_log_probs must be 0 to 20, got 21"):
+        convert.request_rows(_inputs(num_top_log_probs=np.array([21], np.int32)), True, True)
+    result = Result(output_token_ids=[[5, 6]], top_log_probs=[[[-0.1, -2.0], [-0.3, -1.5]]],
+                    top_log_prob_ids=[[[5, 9], [6, 2]]])
+    back = wire.response_from_wire(1, wire.unpack(wire.pack(wire.response_to_wire(Response(1, result))))).result
+    assert (back.top_log_probs, back.top_log_prob_ids) == (result.top_log_probs, result.top_log_prob_ids)
+    out = convert.response_tensors(Response(1, back), convert.RowState(0, convert.RequestOptions()))
+    assert out["top_log_probs"].shape == (1, 1, 2, 2) and out["top_log_probs"].dtype == np.float32
+    assert out["top_log_prob_ids"].tolist() == [[[[5, 9], [6, 2]]]]

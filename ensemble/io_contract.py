@@ -17,7 +17,8 @@ special-token strings in `text_input` become control tokens; `preprocessing.cont
 therefore optional here: preprocessing refuses a request with neither or both),
 `embedding_bias_ids` (token ids paired with `embedding_bias_weights`, instead of words: OpenAI's
 `logit_bias`), `num_top_log_probs` with the outputs `top_log_probs` / `top_log_prob_ids` (the K
-most likely tokens at each generated position), `min_length`
+most likely tokens at each generated position), `return_prompt_log_probs` with `prompt_log_probs`
+(and `prompt_top_log_probs` / `_ids`), `min_length`
 (genai-perf sends it; an alias of `min_tokens`) and the two token counts NVIDIA added to
 `tensorrt_llm` later.
 
@@ -178,6 +179,7 @@ frequency_penalty                   FP32    1       scalar
 seed                                UINT64  1       scalar
 return_log_probs                    BOOL    1       scalar
 num_top_log_probs                   INT32   1       scalar ext
+return_prompt_log_probs             BOOL    1       scalar ext
 return_context_logits               BOOL    1       scalar
 return_generation_logits            BOOL    1       scalar
 return_perf_metrics                 BOOL    1       scalar
@@ -233,6 +235,9 @@ num_input_tokens             INT32   1
 num_output_tokens            INT32   1
 top_log_probs                FP32    -1,-1,-1 ext
 top_log_prob_ids             INT32   -1,-1,-1 ext
+prompt_log_probs             FP32    -1      ext
+prompt_top_log_probs         FP32    -1,-1   ext
+prompt_top_log_prob_ids      INT32   -1,-1   ext
 stream_context_ids           INT32   -1,-1   ext
 stream_context_length        INT32   -1      ext
 is_final                     BOOL    1       ext
@@ -278,6 +283,7 @@ frequency_penalty       FP32    1
 seed                    UINT64  1
 return_log_probs        BOOL    1
 num_top_log_probs       INT32   1       ext
+return_prompt_log_probs BOOL    1       ext
 return_context_logits   BOOL    1
 return_generation_logits BOOL   1
 return_perf_metrics     BOOL    1
@@ -311,7 +317,8 @@ def _text_outputs() -> tuple[TensorSpec, ...]:
 
 # tensorrt_llm outputs that the ensemble and the BLS model return to the client as they are:
 # NVIDIA's, and our top log probs.
-EXT_PASS_THROUGH = ("top_log_probs", "top_log_prob_ids")
+EXT_PASS_THROUGH = ("top_log_probs", "top_log_prob_ids", "prompt_log_probs", "prompt_top_log_probs",
+                    "prompt_top_log_prob_ids")
 ENGINE_PASS_THROUGH = tuple(
     t.name for t in TENSORRT_LLM.outputs
     if (not t.ext or t.name in EXT_PASS_THROUGH)

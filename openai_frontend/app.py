@@ -67,7 +67,8 @@ def create_app(client: TritonClient, served: ServedModel,
 
     async def generate(request: Request, plan: Plan, ctx: Context, stream_type, build_whole):
         await client.check_ready()
-        events = merge([run_choice(client, engine_request, i, plan.stops, f"{ctx.id}-{i}", plan.echo[i])
+        events = merge([run_choice(client, engine_request, i, plan.stops, f"{ctx.id}-{i}", plan.echo[i],
+                                   plan.echo_tokens[i] if plan.echo_tokens else (), plan.drop_output)
                         for i, engine_request in enumerate(plan.requests)])
         try:
             if plan.stream:
@@ -88,7 +89,7 @@ def create_app(client: TritonClient, served: ServedModel,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served.check(body.model)
-        plan = completion_plan(body, served.limits, served.renderer.decode)
+        plan = completion_plan(body, served.limits, served.renderer.decode, served.renderer.encode_text)
         ctx = Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan,
                       served.renderer.token_text)
         return await generate(request, plan, ctx, CompletionStream, completion)

@@ -68,6 +68,11 @@ class ChatRenderer:
         """Token ids as text, special tokens included (a prompt echoed as it was sent)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def encode_text(self, text: str) -> list[int]:
+        """A completion prompt's ids as preprocessing encodes `text_input` by default: the
+        tokenizer's own special tokens (BOS for most models), special-token strings kept as text."""
+        return control_tokens.encode_text(self.tokenizer, text, add_special_tokens=True)
+
     @property
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))

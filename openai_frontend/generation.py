@@ -5,6 +5,10 @@ chunks once no stop string can start in them (so a chunk's text, its log probs a
 alternatives leave together), and on a match stops reading, which cancels the Triton request.
 `merge` interleaves the choices of one request as their chunks arrive; `collect` gathers them
 for a non-streamed answer. Both are independent of HTTP.
+
+A choice with an echoed prompt whose log probs were asked for starts with the prompt's tokens:
+the first without a log prob (nothing precedes it), the others with the engine's prompt log
+probs. They leave with the first text released, or with the last event.
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ from typing import NamedTuple
 
 from openai_frontend.errors import APIError
 from openai_frontend.stop import StopMatcher
-from openai_frontend.triton_client import EngineRequest, TritonClient
+from openai_frontend.triton_client import EngineChunk, EngineRequest, TritonClient
 
 
 class Token(NamedTuple):
-    """One generated token as released: its text (decoded in context), its log prob, and the
-    alternatives the engine returned for it, (token id, log prob), the most likely first."""
+    """One token as released: its text (decoded in context), its log prob (None for a prompt's
+    first token), and the alternatives the engine returned for it, (token id, log prob), the most
+    likely first."""
 
     text: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]]
 
 
@@ -86,25 +91,50 @@ class _Releaser:
         return "".join(texts), tokens
 
 
+def _prompt_tokens(texts: Sequence[str], chunk: EngineChunk) -> list[Token]:
+    log_probs, top = chunk.prompt_log_probs or [], chunk.prompt_top_log_probs or []
+    if len(log_probs) != len(texts) - 1:
+        raise APIError(500, f"The engine returned {len(log_probs)} prompt log probs for a prompt of "
+                            f"{len(texts)} tokens.")
+    return [Token(texts[0], None, [])] + [Token(text, lp, top[i] if i < len(top) else [])
+                                          for i, (text, lp) in enumerate(zip(texts[1:], log_probs))]
+
+
 async def run_choice(client: TritonClient, request: EngineRequest, index: int, stops: Sequence[str],
-                     request_id: str = "", prefix: str = "") -> AsyncIterator[ChoiceEvent]:
-    """Stream choice `index`; its last event has the finish reason and the final counts."""
+                     request_id: str = "", prefix: str = "", prefix_tokens: Sequence[str] = (),
+                     drop_output: bool = False) -> AsyncIterator[ChoiceEvent]:
+    """Stream choice `index`; its last event has the finish reason and the final counts.
+
+    `prefix` (the echo) goes before the first text; `prefix_tokens`, when given, are the texts of
+    its tokens, whose log probs the engine sends (`return_prompt_log_probs`). `drop_output`
+    leaves out what is generated, its text, tokens and count (max_tokens 0 with echo).
+    """
     matcher, pending = StopMatcher(stops), _Releaser()
     last = None
+    awaiting_prompt = bool(prefix_tokens)  # nothing leaves before the prompt's tokens
+    echoed: list[Token] = []
     async with aclosing(client.generate(request, request_id)) as chunks:
         async for chunk in chunks:
             last = chunk
+            if awaiting_prompt and chunk.prompt_log_probs is not None:
+                echoed, awaiting_prompt = _prompt_tokens(prefix_tokens, chunk), False
+            if drop_output:
+                continue
             pending.add(chunk.text, chunk.log_probs, chunk.top_log_probs)
             safe_end = matcher.feed(chunk.text)
             if matcher.stopped:
                 break  # leaving the block cancels the Triton request
+            if awaiting_prompt:
+                continue
             text, tokens = pending.release(safe_end)
             if text or tokens:
-                yield ChoiceEvent(index, prefix + text, tokens, None, chunk.num_input_tokens,
+                yield ChoiceEvent(index, prefix + text, echoed + tokens, None, chunk.num_input_tokens,
                                   chunk.num_output_tokens)
-                prefix = ""
+                prefix, echoed = "", []
     if last is None:
         raise APIError(500, "Triton ended the stream without a response.")
+    if awaiting_prompt:
+        raise APIError(500, "The engine returned no prompt log probs.")
     if matcher.stopped:
         finish = "stop"
     else:
@@ -112,7 +142,8 @@ async def run_choice(client: TritonClient, request: EngineRequest, index: int, s
         # max_tokens means the limit, not the model, ended the answer.
         finish = "length" if last.num_output_tokens >= request.max_tokens else "stop"
     text, tokens = pending.release(matcher.safe_end if matcher.stopped else pending.end, final=True)
-    yield ChoiceEvent(index, prefix + text, tokens, finish, last.num_input_tokens, last.num_output_tokens)
+    num_output_tokens = 0 if drop_output else last.num_output_tokens
+    yield ChoiceEvent(index, prefix + text, echoed + tokens, finish, last.num_input_tokens, num_output_tokens)
 
 
 async def merge(streams: Sequence[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:

@@ -36,7 +36,10 @@ class EngineRequest:
     min_tokens: int | None = None
     seed: int | None = None
     return_log_probs: bool = False
-    num_top_log_probs: int = 0  # alternatives per generated token (0 to 20)
+    num_top_log_probs: int = 0  # alternatives per generated token (0 to 20), and per prompt token
+    # The prompt's log probs (and num_top_log_probs alternatives) in the first response: the
+    # prompt must go as ids, so that the frontend knows which token each one is of.
+    return_prompt_log_probs: bool = False
     guide_type: str | None = None  # guided_decoding_guide_type (json, json_schema, ...)
     guide: str | None = None  # guided_decoding_guide
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias): embedding_bias_ids/_weights
@@ -53,6 +56,10 @@ class EngineChunk:
     # Per token of this chunk, its num_top_log_probs alternatives as (token id, log prob), the
     # most likely first; None unless asked for.
     top_log_probs: list[list[tuple[int, float]]] | None = None
+    # Sent once, in the first response (when asked for): entry i is the log prob of prompt token
+    # i + 1 given the tokens before it (P - 1 of them), with its alternatives as top_log_probs'.
+    prompt_log_probs: list[float] | None = None
+    prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
 
 
 _ALWAYS = {"stream": True, "exclude_input_in_output": True,
@@ -96,6 +103,8 @@ def ensemble_inputs(request: EngineRequest) -> list[_Input]:
         values["return_log_probs"] = True
     if request.num_top_log_probs > 0:
         values["num_top_log_probs"] = request.num_top_log_probs
+    if request.return_prompt_log_probs:
+        values["return_prompt_log_probs"] = True
     inputs = [_ids("input_ids", request.prompt_ids) if request.prompt_ids is not None
               else _text("text_input", request.prompt)]
     inputs += [_scalar(k, v) for k, v in values.items()]
@@ -123,20 +132,31 @@ def decode_chunk(response: service_pb2.ModelInferResponse) -> EngineChunk:
     raw = dict(zip((o.name for o in response.outputs), response.raw_output_contents))
     text = raw.get("text_output", b"")
     log_probs = raw.get("output_log_probs")
-    top_log_probs = raw.get("top_log_probs")
-    top = None
-    if top_log_probs is not None and "top_log_prob_ids" in raw:
-        # Both are [1, 1, T, K] (batch, beam, tokens of this chunk, alternatives), sorted by log prob.
-        shape = next(o.shape for o in response.outputs if o.name == "top_log_probs")
-        num_top = shape[-1] if shape else 0
-        if num_top > 0:
-            ids = np.frombuffer(raw["top_log_prob_ids"], dtype="<i4").reshape(-1, num_top).tolist()
-            values = np.frombuffer(top_log_probs, dtype="<f4").reshape(-1, num_top).tolist()
-            top = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
+    prompt_log_probs = raw.get("prompt_log_probs")
     return EngineChunk(
         # One BYTES element: a little-endian uint32 length, then the bytes.
         text=text[4:4 + int.from_bytes(text[:4], "little")].decode("utf-8") if text else "",
         log_probs=np.frombuffer(log_probs, dtype=np.float32).tolist() if log_probs is not None else None,
         num_input_tokens=int.from_bytes(raw.get("num_input_tokens", b""), "little", signed=True),
         num_output_tokens=int.from_bytes(raw.get("num_output_tokens", b""), "little", signed=True),
-        top_log_probs=top)
+        # [1, 1, T, K]: batch, beam, tokens of this chunk, alternatives.
+        top_log_probs=_alternatives(response, raw, "top_log_probs", "top_log_prob_ids"),
+        prompt_log_probs=(np.frombuffer(prompt_log_probs, dtype="<f4").tolist()
+                          if prompt_log_probs is not None else None),
+        # [1, P - 1, K]: batch, prompt positions, alternatives.
+        prompt_top_log_probs=_alternatives(response, raw, "prompt_top_log_probs", "prompt_top_log_prob_ids"))
+
+
+def _alternatives(response: service_pb2.ModelInferResponse, raw: dict[str, bytes], values_name: str,
+                  ids_name: str) -> list[list[tuple[int, float]]] | None:
+    """Per token, its alternatives as (id, log prob) from outputs whose last dimension is K,
+    sorted by log prob; None when they were not sent."""
+    if values_name not in raw or ids_name not in raw:
+        return None
+    shape = next(o.shape for o in response.outputs if o.name == values_name)
+    num_top = shape[-1] if shape else 0
+    if num_top <= 0:
+        return None
+    ids = np.frombuffer(raw[ids_name], dtype="<i4").reshape(-1, num_top).tolist()
+    values = np.frombuffer(raw[values_name], dtype="<f4").reshape(-1, num_top).tolist()
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]

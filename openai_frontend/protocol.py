@@ -64,6 +64,7 @@ class GenerationRequest(_Strict):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (scoring the prompt): see sampling
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = Field(None, ge=1)
@@ -168,8 +169,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

@@ -8,7 +8,9 @@ multi-byte character has an empty string, the next one the whole character), so 
 add up to the returned text. The top alternatives are token ids, each shown as the served
 tokenizer's text of that one token (`Context.token_text`): chat lists them as OpenAI's
 TopLogprob entries, most likely first; completions as one {text: log prob} dict per token, where
-two ids of the same text keep the larger log prob.
+two ids of the same text keep the larger log prob. An echoed prompt's tokens come first in a
+completion's log probs (OpenAI's legacy shape): its first token has null for both, as nothing
+precedes it, and `text_offset` runs on across the prompt and the completion.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def completion_logprobs(ctx: Context, tokens: list[Token], offset: int) -> Compl
     if ctx.plan.top_logprobs:
         top_logprobs = []
         for token in tokens:
+            if token.logprob is None:
+                top_logprobs.append(None)
+                continue
             alternatives: dict[str, float] = {}
             for token_id, lp in token.top:  # most likely first: a repeated text keeps its larger log prob
                 alternatives.setdefault(ctx.token_text(token_id), lp)

@@ -7,7 +7,12 @@ names the parameter and the limit:
 - Log probabilities: chat's `logprobs` / completions' `logprobs` ask for the chosen tokens'
   (`return_log_probs`); chat's `top_logprobs` (0 to 20, with `logprobs` true) and completions'
   `logprobs` (0 to 5) also ask for that many alternatives per token (`num_top_log_probs`).
-  Completions' `echo` with `logprobs` is refused: the engine returns no prompt log probs.
+  Completions' `echo` with `logprobs` also asks for the prompt's (`return_prompt_log_probs`),
+  as lm-evaluation-harness scores log likelihoods: the prompt goes as ids (a text prompt is
+  tokenized here, as preprocessing would), so that each prompt token is known, and the echo is
+  the prompt as the tokenizer reads those ids back, one text per token.
+- `max_tokens` 0 is allowed with `echo` only (scoring the prompt, as OpenAI's legacy API allows):
+  the engine generates one token, which the answer leaves out.
 - Completions take a prompt as text, token ids, or a batch of either (choice `index` p*n + i
   for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
 - `logit_bias` ({token id: -100 to 100}) goes as the ensemble's `embedding_bias_ids` and
@@ -71,6 +76,9 @@ class Plan:
     top_logprobs: int = 0  # alternatives per token in the log probs (num_top_log_probs)
     stream: bool = False
     include_usage: bool = False
+    # With echo and logprobs: the texts of choice i's prompt tokens, which join to echo[i].
+    echo_tokens: list[tuple[str, ...]] = field(default_factory=list)
+    drop_output: bool = False  # max_tokens 0 with echo: the one token generated is left out
 
 
 def _common_checks(req: GenerationRequest) -> None:
@@ -164,8 +172,10 @@ def _prompts(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
 
 
 def completion_plan(req: CompletionRequest, limits: Limits,
-                    decode: Callable[[list[int]], str] | None = None) -> Plan:
-    """`decode` renders a token-id prompt as text for `echo` (the served tokenizer's decode)."""
+                    decode: Callable[[list[int]], str] | None = None,
+                    encode: Callable[[str], list[int]] | None = None) -> Plan:
+    """`decode` renders a token-id prompt as text for `echo` (the served tokenizer's decode);
+    `encode` tokenizes a text prompt whose log probs `echo` with `logprobs` asks for."""
     _common_checks(req)
     prompts = _prompts(req, limits)
     if req.suffix:
@@ -174,19 +184,86 @@ def completion_plan(req: CompletionRequest, limits: Limits,
     if req.best_of is not None and req.best_of != n:
         raise bad_request("'best_of' must equal 'n' (or be left out): choices are not ranked.", "best_of")
     logprobs = req.logprobs is not None
-    if req.echo and logprobs:
-        raise bad_request("'echo' with 'logprobs' is not supported: the engine does not return the "
-                          "prompt's log probabilities.", "echo", "unsupported_value")
-    max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    drop_output = max_tokens == 0
+    if drop_output and not req.echo:
+        raise bad_request("'max_tokens' must be at least 1; 0 is allowed only with 'echo' (to score "
+                          "the prompt).", "max_tokens")
+    max_tokens = max(max_tokens, 1)  # the engine generates at least one token
     _check_max_tokens(max_tokens, limits, "max_tokens")
-    requests, echo = [], []
+    score_prompt = bool(req.echo) and logprobs
+    requests, echo, echo_tokens = [], [], []
     for p, prompt in enumerate(prompts):
+        if score_prompt:
+            prompt = _prompt_ids(prompt, encode, limits, p)
         # Completions keep the tokenizer's own rule for special tokens (BOS for most models).
-        requests += _engine_requests(req, prompt, max_tokens, n, None, logprobs, req.logprobs or 0, limits,
-                                     first_index=p * n)
-        echo += [_echo_text(prompt, decode) if req.echo else ""] * n
+        choices = _engine_requests(req, prompt, max_tokens, n, None, logprobs, req.logprobs or 0, limits,
+                                   first_index=p * n)
+        if score_prompt:
+            texts = _texts_in_context(prompt, _need(decode, "'echo' with 'logprobs'"))
+            choices = [replace(r, return_prompt_log_probs=True) for r in choices]
+            echo += ["".join(texts)] * n
+            echo_tokens += [texts] * n
+        else:
+            echo += [_echo_text(prompt, decode) if req.echo else ""] * n
+        requests += choices
     return Plan(requests, n, echo, req.stop_strings, logprobs, req.logprobs or 0, bool(req.stream),
-                bool(req.stream_options and req.stream_options.include_usage))
+                bool(req.stream_options and req.stream_options.include_usage), echo_tokens, drop_output)
+
+
+def _need(function: Callable | None, what: str) -> Callable:
+    if function is None:
+        raise bad_request(f"{what} needs the server's tokenizer.", "echo")
+    return function
+
+
+def _prompt_ids(prompt: str | list[int], encode: Callable[[str], list[int]] | None, limits: Limits,
+                index: int) -> list[int]:
+    """A prompt as ids, a text one tokenized, checked against the context as token prompts are."""
+    if not isinstance(prompt, str):
+        return prompt
+    ids = _need(encode, "'echo' with 'logprobs' of a text prompt")(prompt)
+    if not ids:
+        raise bad_request(f"Prompt {index} encodes to no tokens.", "prompt")
+    if len(ids) >= limits.context_length:
+        raise bad_request(f"Prompt {index} has {len(ids)} tokens; the model's context holds "
+                          f"{limits.context_length}, the output included.", "prompt",
+                          "context_length_exceeded")
+    return ids
+
+
+_CONTEXT_TOKENS = 4  # left context a token is decoded with (SentencePiece's leading space, ...)
+_MAX_HELD_TOKENS = 3  # an incomplete UTF-8 character spans at most 3 tokens
+
+
+def _texts_in_context(ids: list[int], decode: Callable[[list[int]], str]) -> tuple[str, ...]:
+    """Each token's text in context: what it adds to the decode of the few tokens before it.
+
+    A token that ends inside a character (the decode ends in U+FFFD) gets an empty string and
+    the token that completes it the whole character, as generated tokens' texts are. The texts
+    join to the prompt as the tokenizer reads it back; a prompt-long window per token would be
+    quadratic in the prompt's length.
+    """
+    texts: list[str] = []
+    done = 0  # tokens whose text is out
+    for end in range(1, len(ids) + 1):
+        start = max(0, done - _CONTEXT_TOKENS)
+        text = decode(ids[start:end])
+        if text.endswith("\ufffd") and end < len(ids) and end - done <= _MAX_HELD_TOKENS:
+            texts.append("")
+            continue
+        before = decode(ids[start:done]) if done > start else ""
+        common = len(before) if text.startswith(before) else _common_prefix_len(before, text)
+        texts.append(text[common:])
+        done = end
+    return tuple(texts)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _echo_text(prompt: str | list[int], decode: Callable[[list[int]], str] | None) -> str:

@@ -25,7 +25,8 @@ class EngineFeatures:
     perf_metrics: bool = False
     guided_decoding: bool = False  # the model was loaded with guided_decoding_backend set
     lora: bool = False
-    top_log_probs: bool = False  # num_top_log_probs (ours: the executor interface has no such field)
+    # num_top_log_probs and return_prompt_log_probs (ours: the executor interface has neither)
+    top_log_probs: bool = False
 
 
 # What `inflight.engine.llm_engine` has today (max_beam_width comes from the ExecutorConfig).
@@ -63,6 +64,7 @@ def unsupported(request: Request, features: EngineFeatures) -> str | None:
         (output.return_generation_logits, features.generation_logits, "return_generation_logits"),
         (output.return_perf_metrics, features.perf_metrics, "return_perf_metrics"),
         (output.num_top_log_probs > 0, features.top_log_probs, "num_top_log_probs"),
+        (output.return_prompt_log_probs, features.top_log_probs, "return_prompt_log_probs"),
     )
     for asked, can, what in checks:
         if asked and not can:

@@ -148,6 +148,10 @@ class OutputConfig:
     # Extension (TensorRT-LLM's LLM API calls it SamplingParams.logprobs): the K most likely
     # tokens and their log probs at each generated position, 0 to MAX_TOP_LOG_PROBS.
     num_top_log_probs: int = 0
+    # Extension (the LLM API's SamplingParams.prompt_logprobs): each prompt token's log prob
+    # given the tokens before it (and, with num_top_log_probs, the K likeliest there), computed
+    # on the device from the prompt's logits, which never leave it.
+    return_prompt_log_probs: bool = False
 
     def __post_init__(self) -> None:
         _require("num_top_log_probs", self.num_top_log_probs,
@@ -259,6 +263,12 @@ class Result:
     # log probs (descending) and their ids.
     top_log_probs: list[list[list[float]]] | None = None
     top_log_prob_ids: list[list[list[int]]] | None = None
+    # return_prompt_log_probs, in one response: entry i is prompt token i+1's log prob given
+    # tokens 0..i ([prompt_len - 1]); with num_top_log_probs K, the K likeliest tokens at each of
+    # those positions ([prompt_len - 1][K], descending).
+    prompt_log_probs: list[float] | None = None
+    prompt_top_log_probs: list[list[float]] | None = None
+    prompt_top_log_prob_ids: list[list[int]] | None = None
     finish_reasons: list[FinishReason] = field(default_factory=lambda: [FinishReason.NOT_FINISHED])
     sequence_index: int = 0
     is_sequence_final: bool = False

@@ -50,7 +50,7 @@ from inflight.engine.step_update import InFlight, StepUpdate
 from inflight.fatal_errors import as_fatal, breaks_device
 from inflight.platform import default_max_num_tokens
 from inflight.runner.ranks import start_worker
-from inflight.runner.step_inputs import StepOrder
+from inflight.runner.step_inputs import PromptLogProbs, StepOrder
 from inflight.runner.worker import Worker
 from inflight.sampling.sampler import DeviceSample, SamplerOutput
 
@@ -214,6 +214,9 @@ class LLMEngine:
             extras["request_ids"] = [st.request_id for st in states]
         if spans:
             extras["context_logits"] = spans
+            reduction = self._prompt_log_probs(batch, spans)
+            if reduction is not None:
+                extras["prompt_log_probs"] = reduction
         if live.num_generation_logit_requests:
             keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
             if keep:
@@ -253,6 +256,25 @@ class LLMEngine:
                 if not state.outputs.needs_context_logits:
                     awaiting_context.discard(state)
         return spans, owners
+
+    def _prompt_log_probs(self, batch: SchedulerOutput, spans: list) -> PromptLogProbs | None:
+        """The reduction of the step's prompt logits to log probs, if a span's request asked:
+        each position's target is the prompt token after it (-1 past the prompt's end, or for
+        a request that keeps raw logits only)."""
+        targets, num_top, keep, wanted = [], 0, False, False
+        for row, offset, count in spans:
+            item = batch.scheduled[row]
+            outputs = self.live.requests[item.seq.request_id].outputs
+            keep |= outputs.keeps_context_logits
+            first = item.start_position + offset
+            if outputs.wants_prompt_log_probs:
+                wanted = True
+                num_top = max(num_top, outputs.config.num_top_log_probs)
+                prompt = item.seq.prompt_token_ids
+                targets += [prompt[p + 1] if p + 1 < len(prompt) else -1 for p in range(first, first + count)]
+            else:
+                targets += [-1] * count
+        return PromptLogProbs(targets, num_top, keep) if wanted else None
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""

@@ -103,6 +103,10 @@ class RequestIntake:
             raise RequestError("guided decoding is not supported with beam search (beam_width > 1)")
         if beam_width > 1 and request.output_config.num_top_log_probs:
             raise RequestError("num_top_log_probs is not supported with beam search (beam_width > 1)")
+        tp_parallel = getattr(getattr(self.worker, "tp", None), "is_parallel", False)
+        for flag in ("return_context_logits", "return_prompt_log_probs"):
+            if getattr(request.output_config, flag) and tp_parallel:
+                raise RequestError(f"{flag} is not supported with tensor_parallel_size > 1 yet")
         num_sequences = request.sampling_config.num_sequences
         if beam_width == 1 and num_sequences > self.config.max_batch_size:
             # Checked before any sequence state is built: each would cost memory up front.
@@ -131,7 +135,8 @@ class RequestIntake:
                    bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
         """Sequence `index` of a request. Only the first returns the prompt's logits, and it
         then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
-        want_context_logits = request.output_config.return_context_logits and index == 0
+        config = request.output_config
+        want_context_logits = (config.return_context_logits or config.return_prompt_log_probs) and index == 0
         beam_width = request.sampling_config.beam_width
         seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
                        max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,

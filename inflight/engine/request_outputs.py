@@ -10,6 +10,10 @@
   sampling step, the one that picked end_id included, as Hugging Face's
   `generate(output_logits=True)` returns them; `[1, steps, vocab]` (beam 1) per response: all
   of them when not streaming, the new ones when streaming.
+- prompt log probs: each prompt token's log prob given the tokens before it, reduced on the
+  device from the same prompt positions' logits (with the K likeliest tokens there when
+  num_top_log_probs asks), `[prompt_len, 1 + 2K]` rows gathered here; sent once, as
+  `Result.prompt_log_probs` and its top lists.
 - perf metrics: the engine's clocks (ns since the epoch: arrival at `enqueue`, first step
   that computes the request, first and last sampled token read on the host) and the
   sequence's KV blocks (fresh, attached reused), as TensorRT-LLM's `RequestPerfMetrics`.
@@ -40,10 +44,17 @@ class RequestOutputs:
     generation_logits: list[torch.Tensor] = field(default_factory=list)  # rows [vocab]
     num_sent_generation_logits: int = 0
     is_context_logits_sent: bool = False
+    # Reduced prompt rows [n, 1 + 2K] (chosen log prob, K top log probs, their ids), in order.
+    prompt_log_prob_rows: list[torch.Tensor] = field(default_factory=list)
+    num_context_positions: int = 0  # prompt positions whose logits (or their reduction) arrived
 
     def __post_init__(self) -> None:
         config = self.config
-        # Fixed for the request's life; read per token and per response.
+        # Fixed for the request's life; read per token and per response. want_context_logits
+        # (the prompt's positions computed, none from the prefix cache) serves both the raw
+        # logits and the prompt log probs.
+        self.keeps_context_logits = self.want_context_logits and config.return_context_logits
+        self.wants_prompt_log_probs = self.want_context_logits and config.return_prompt_log_probs
         self.tracks_tokens = config.return_perf_metrics or config.return_generation_logits
         self.is_asked = self.tracks_tokens or self.want_context_logits
 
@@ -74,9 +85,12 @@ class RequestOutputs:
         """Sets the logits and perf metrics `result` (a response being built) carries."""
         if self.want_context_logits and not self.is_context_logits_sent and (
                 result.is_sequence_final or streaming) and self._context_complete():
-            result.context_logits = torch.cat(self.context_logits)  # [prompt_len, vocab]
+            if self.keeps_context_logits:
+                result.context_logits = torch.cat(self.context_logits)  # [prompt_len, vocab]
+            if self.wants_prompt_log_probs:
+                self._fill_prompt_log_probs(result)
             self.is_context_logits_sent = True
-            self.context_logits = []  # sent once; the request does not need them again
+            self.context_logits, self.prompt_log_prob_rows = [], []  # sent once
         if self.config.return_generation_logits and (streaming or result.is_sequence_final):
             rows = self.generation_logits[self.num_sent_generation_logits:] if streaming else self.generation_logits
             self.num_sent_generation_logits = len(self.generation_logits)
@@ -90,4 +104,19 @@ class RequestOutputs:
                 kv_cache_alloc_total_blocks=seq.num_new_blocks + seq.num_reused_blocks)
 
     def _context_complete(self) -> bool:
-        return sum(len(c) for c in self.context_logits) == self.num_prompt_tokens
+        return self.num_context_positions == self.num_prompt_tokens
+
+    def _fill_prompt_log_probs(self, result: Result) -> None:
+        # Position i predicts prompt token i + 1: the last position's row has no target.
+        rows = torch.cat(self.prompt_log_prob_rows)[:-1].double()  # [prompt_len - 1, 1 + 2K max]
+        result.prompt_log_probs = rows[:, 0].tolist()
+        k = self.config.num_top_log_probs
+        if k:
+            result.prompt_top_log_probs = rows[:, 1:1 + k].tolist()
+            result.prompt_top_log_prob_ids = rows[:, 1 + k:1 + 2 * k].long().tolist()
+
+    def take_prompt_rows(self, rows: torch.Tensor) -> None:
+        """A step's reduced rows for this request's positions: [n, 1 + 2W] (W the step's widest
+        K), kept as [n, 1 + 2K] with this request's K."""
+        k, width = self.config.num_top_log_probs, (rows.shape[1] - 1) // 2
+        self.prompt_log_prob_rows.append(torch.cat([rows[:, :1 + k], rows[:, 1 + width:1 + width + k]], 1))

@@ -59,7 +59,7 @@ class StepUpdate:
             logger.exception("engine step failed while its tokens were read")
             return self.live.fail(flight.batch, f"engine step failed: {type(exc).__name__}: {exc}")
         if flight.context_owners:
-            self._take_context_logits(flight.context_owners, output.context_logits)
+            self._take_context_logits(flight.context_owners, output.context_logits, output.prompt_log_probs)
         # Rows of the sampled rows that asked for their logits, in order (None: none asked).
         logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
         responses = []
@@ -123,9 +123,16 @@ class StepUpdate:
                     f"{self.vocab_size} tokens (a broken checkpoint?)")
         return None
 
-    def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits) -> None:
+    def _take_context_logits(self, owners: list[tuple[RequestState, int]], logits, reduced) -> None:
+        """Each owner's positions of the step's prompt logits [C, vocab] and their reduction to
+        log probs [C, 1 + 2K] (either None when no owner asked for it)."""
         start = 0
         for state, count in owners:
+            outputs = state.outputs
             if self.live.requests.get(state.key) is state:
-                state.outputs.context_logits.append(logits[start:start + count])
+                if outputs.keeps_context_logits:
+                    outputs.context_logits.append(logits[start:start + count])
+                if outputs.wants_prompt_log_probs:
+                    outputs.take_prompt_rows(reduced[start:start + count])
+                outputs.num_context_positions += count
             start += count

@@ -34,6 +34,17 @@ ContextSpan = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
+class PromptLogProbs:
+    """What to make of the context spans' logits besides (or instead of) keeping them: each
+    position's log prob of `targets[i]` (the next prompt token; -1 where none is wanted) and its
+    `num_top` likeliest tokens; `keep_logits`: whether any span's request keeps the raw logits."""
+
+    targets: list[int]  # one per position of the context spans, in order
+    num_top: int = 0
+    keep_logits: bool = False
+
+
+@dataclass(frozen=True)
 class StepOrder:
     """One step as the engine hands it to the worker (`Worker.launch`).
 
@@ -52,6 +63,7 @@ class StepOrder:
     context_logits: list[ContextSpan] | None = None
     generation_logits: list[int] | None = None
     batch: SchedulerOutput | None = None
+    prompt_log_probs: PromptLogProbs | None = None  # with context_logits: their reduction
 
     @classmethod
     def from_batch(cls, batch: SchedulerOutput, block_size: int, rows: list[SamplingRow],
@@ -79,6 +91,9 @@ class StepInput:
     context_indices: torch.Tensor | None  # [C] int64: tokens of the step whose logits to keep
     generation_rows: list[int] | None  # sampled rows whose raw logits to keep
     num_sampled: int  # rows whose last token is sampled (on every rank)
+    prompt_targets: torch.Tensor | None = None  # [C] int64 (-1: none): context_indices' targets
+    prompt_num_top: int = 0
+    keep_prompt_logits: bool = True  # whether the context indices' raw logits are kept
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -123,8 +138,14 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     if order.context_logits:
         flat = [row_starts[row] + offset + j for row, offset, count in order.context_logits for j in range(count)]
         context_indices = to_device(torch.tensor(flat, dtype=torch.int64), target.device)
+    reduction = order.prompt_log_probs
+    if reduction is None or context_indices is None:
+        return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
+                         order.generation_logits, plan.num_sampled)
+    targets = to_device(torch.tensor(reduction.targets, dtype=torch.int64), target.device)
     return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
-                     order.generation_logits, plan.num_sampled)
+                     order.generation_logits, plan.num_sampled, targets, reduction.num_top,
+                     reduction.keep_logits)
 
 
 def _flatten(row_tokens: Iterable[list[int]]

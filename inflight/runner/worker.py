@@ -54,7 +54,7 @@ from inflight.runner.kv_cache_sizing import num_kv_blocks, peak_step_bytes, warm
 from inflight.runner.mixed_graph import mixed_token_buckets
 from inflight.runner.precompile import precompile
 from inflight.runner.step_inputs import StepInput, StepOrder, prepare_inputs
-from inflight.sampling.sampler import DeviceSample, Sampler, apply_logits_hooks
+from inflight.sampling.sampler import DeviceSample, Sampler, apply_logits_hooks, reduce_prompt_logits
 
 logger = logging.getLogger(__name__)
 
@@ -183,34 +183,51 @@ class Worker:
         hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
         prompt_logits = None
         if step.context_indices is not None:
-            prompt_logits = self._prompt_logits(hidden, step.context_indices)  # [C, vocab]
+            prompt_logits = self._prompt_logits(hidden, step)  # [C, vocab], or (it, [C, 1 + 2K])
         if step.num_sampled == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt_logits
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
         return self.model.compute_logits(hidden), prompt_logits  # [S, vocab]
 
-    def _prompt_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The LM head over `hidden[indices]`: [C, vocab] float32. On CUDA it runs in slices of
-        `max_batch_size` rows (what the warm-up's sampled rows measured), each copied at once
-        into pinned host memory, so a long prompt's logits never sit on the device whole."""
-        if self.device.type != "cuda":
-            return self.model.compute_logits(hidden.index_select(0, indices))
-        num_rows, step = indices.shape[0], self.sampled_ids.shape[0]
-        host = torch.empty((num_rows, self.model_config.vocab_size), dtype=torch.float32, pin_memory=True)
-        for start in range(0, num_rows, step):
-            rows = self.model.compute_logits(hidden.index_select(0, indices[start:start + step]))
-            host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
-        return host
+    def _prompt_logits(self, hidden: torch.Tensor, step: StepInput):
+        """The LM head over `hidden[step.context_indices]`: [C, vocab] float32 logits; with
+        `step.prompt_targets`, also their reduction [C, 1 + 2K] float32 (each position's log prob
+        of its target, its K top log probs, their ids: `reduce_prompt_logits`), as (logits or
+        None when no request keeps them, reduction). On CUDA it runs in slices of
+        `max_batch_size` rows (what the warm-up's sampled rows measured), the kept logits copied
+        at once into pinned host memory, so a long prompt's logits never sit on the device whole."""
+        indices, targets = step.context_indices, step.prompt_targets
+        keep = targets is None or step.keep_prompt_logits
+        num_rows = indices.shape[0]
+        size = self.sampled_ids.shape[0] if self.device.type == "cuda" else num_rows
+        host = None
+        if keep and self.device.type == "cuda":
+            host = torch.empty((num_rows, self.model_config.vocab_size), dtype=torch.float32, pin_memory=True)
+        kept, reduced = [], []
+        for start in range(0, num_rows, size):
+            rows = self.model.compute_logits(hidden.index_select(0, indices[start:start + size]))
+            if targets is not None:
+                reduced.append(reduce_prompt_logits(rows, targets[start:start + size], step.prompt_num_top))
+            if host is not None:
+                host[start:start + rows.shape[0]].copy_(rows, non_blocking=True)
+            elif keep:
+                kept.append(rows)
+        logits = host if host is not None else (torch.cat(kept) if keep else None)
+        return logits if targets is None else (logits, torch.cat(reduced))
 
     def sample(self, logits: torch.Tensor, step: StepInput,
                prompt_logits: torch.Tensor | None = None) -> DeviceSample:
         """Logits hooks, then one token per sampled row, left on the device (its copy to the
         host queued, with the logits requests asked for); `sampled_ids` gets them for the
         next step."""
+        prompt_log_probs = None
+        if isinstance(prompt_logits, tuple):
+            prompt_logits, prompt_log_probs = prompt_logits
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return DeviceSample(empty, None, [], context_logits=prompt_logits).start_copy()
+            return DeviceSample(empty, None, [], context_logits=prompt_logits,
+                                prompt_log_probs=prompt_log_probs).start_copy()
         kept = None
         if step.generation_rows:  # raw, before hooks and the sampler; a copy (a graph's static
             # logits buffer is overwritten by the next replay)
@@ -228,6 +245,7 @@ class Worker:
         finally:  # the other ranks wait for this broadcast even when sampling failed
             self._share_sampled_ids(step.num_sampled)
         sample.generation_logits, sample.context_logits = kept, prompt_logits
+        sample.prompt_log_probs = prompt_log_probs
         return sample.start_copy()
 
     @torch.inference_mode()

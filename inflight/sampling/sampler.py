@@ -130,6 +130,8 @@ class SamplerOutput:
     # Per row: (log probs, ids) of its num_top_log_probs most likely tokens, descending; None
     # for rows that did not ask (None altogether when none did).
     top_log_probs: list[tuple[list[float], list[int]] | None] | None = None
+    # The context spans' logits reduced to log probs (`reduce_prompt_logits`): [C, 1 + 2K].
+    prompt_log_probs: torch.Tensor | None = None
 
     def result(self) -> "SamplerOutput":
         """Already on the host: `DeviceSample.result()`'s answer, for samples made there."""
@@ -180,6 +182,7 @@ class DeviceSample:
     beam_values: torch.Tensor | None = None  # [4, sum of K] float64 (beam_search.beam_candidates)
     top_values: torch.Tensor | None = None  # [2, S, K max] float64: top log probs, their ids
     top_counts: list[int] = field(default_factory=list)  # per row: its num_top_log_probs
+    prompt_log_probs: torch.Tensor | None = None  # [C, 1 + 2K] float32 (reduce_prompt_logits)
 
     def start_copy(self) -> "DeviceSample":
         """Queues the device -> host copies without waiting (CUDA); a no-op on the CPU."""
@@ -193,6 +196,7 @@ class DeviceSample:
         if self.beam_values is not None:
             self.beam_values = self.beam_values.to("cpu", non_blocking=True)
         self.top_values = _pinned_copy(self.top_values)
+        self.prompt_log_probs = _pinned_copy(self.prompt_log_probs)
         self._ready = torch.cuda.Event()
         self._ready.record()
         return self
@@ -211,13 +215,17 @@ class DeviceSample:
         else:
             values = self.token_ids
         beams = self._beams()
+        prompt = self.prompt_log_probs
+        if prompt is not None and prompt.device.type == "cpu" and prompt.is_pinned():
+            prompt = prompt.clone()  # out of pinned memory: the request keeps its rows
         if self.log_probs is None:
             return SamplerOutput(values.tolist(), [None] * len(self.wants_log_probs),
-                                 generation_logits, context_logits, self.errors, beams)
+                                 generation_logits, context_logits, self.errors, beams,
+                                 prompt_log_probs=prompt)
         token_list, log_prob_list = values.tolist()
         return SamplerOutput([int(t) for t in token_list],
                              [lp if want else None for lp, want in zip(log_prob_list, self.wants_log_probs)],
-                             generation_logits, context_logits, self.errors, beams, self._top())
+                             generation_logits, context_logits, self.errors, beams, self._top(), prompt)
 
     def _top(self) -> list[tuple[list[float], list[int]] | None] | None:
         if self.top_values is None:
@@ -237,6 +245,20 @@ class DeviceSample:
                                     cum[start:end], lps[start:end])
             start = end
         return out
+
+
+def reduce_prompt_logits(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> torch.Tensor:
+    """Prompt positions' raw logits [n, vocab] -> [n, 1 + 2 num_top] float32: the log prob of
+    each position's target (the next prompt token; 0 where the target is -1), its num_top top
+    log probs (descending), and their ids (exact in float32 below 2^24). The distribution is
+    the model's own (temperature 1, nothing applied), as prompt log probs are defined."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    chosen = log_probs.gather(1, targets.clamp_min(0).unsqueeze(1))  # [n, 1]
+    chosen = torch.where(targets.unsqueeze(1) >= 0, chosen, torch.zeros_like(chosen))
+    if not num_top:
+        return chosen
+    top = log_probs.topk(num_top, dim=-1)
+    return torch.cat([chosen, top.values, top.indices.float()], dim=1)
 
 
 def _pinned_copy(values: torch.Tensor | None) -> torch.Tensor | None:

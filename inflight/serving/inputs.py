@@ -151,7 +151,8 @@ def output_config(inputs, index: int, exclude_input: bool) -> OutputConfig:
                             return_generation_logits=flag("return_generation_logits"),
                             return_perf_metrics=flag("return_perf_metrics"),
                             exclude_input_from_output=exclude_input,
-                            num_top_log_probs=int(scalar(inputs, "num_top_log_probs", index, int) or 0))
+                            num_top_log_probs=int(scalar(inputs, "num_top_log_probs", index, int) or 0),
+                            return_prompt_log_probs=flag("return_prompt_log_probs"))
     except InvalidValueError as exc:
         raise RequestError(f"{input_label(exc.field)} {exc.rule}, got {exc.value}") from None
 

@@ -128,6 +128,8 @@ def response_to_wire(response: Response) -> list:
         "cum": None if r.cum_log_probs is None else list(r.cum_log_probs),
         "lp": None if r.log_probs is None else [list(row) for row in r.log_probs],
         "top": None if r.top_log_probs is None else [r.top_log_probs, r.top_log_prob_ids],
+        "prompt": None if r.prompt_log_probs is None else [r.prompt_log_probs, r.prompt_top_log_probs,
+                                                            r.prompt_top_log_prob_ids],
         "reasons": [reason.value for reason in r.finish_reasons], "seq": r.sequence_index,
         "seq_final": r.is_sequence_final, "n_in": r.num_input_tokens, "n_out": r.num_output_tokens,
         "ctx": _array(r.context_logits), "gen": _array(r.generation_logits),
@@ -148,6 +150,9 @@ def response_from_wire(request_id: int, data: list) -> Response:
     result = Result(is_final=d["final"], output_token_ids=d["ids"], cum_log_probs=d["cum"],
                     log_probs=d["lp"], finish_reasons=[_FINISH_REASONS[v] for v in d["reasons"]],
                     top_log_probs=d["top"] and d["top"][0], top_log_prob_ids=d["top"] and d["top"][1],
+                    prompt_log_probs=d["prompt"] and d["prompt"][0],
+                    prompt_top_log_probs=d["prompt"] and d["prompt"][1],
+                    prompt_top_log_prob_ids=d["prompt"] and d["prompt"][2],
                     sequence_index=d["seq"], is_sequence_final=d["seq_final"],
                     num_input_tokens=d["n_in"], num_output_tokens=d["n_out"],
                     context_logits=_from_array(d["ctx"]), generation_logits=_from_array(d["gen"]),
@@ -165,7 +170,7 @@ def is_plain(response: Response) -> bool:
     r = response.result
     return (response.error_msg is None and not r.is_final and not r.is_sequence_final
             and r.log_probs is None and r.cum_log_probs is None and r.context_logits is None
-            and r.top_log_probs is None
+            and r.top_log_probs is None and r.prompt_log_probs is None
             and r.generation_logits is None and r.request_perf_metrics is None
             and len(r.output_token_ids) == 1 and len(r.output_token_ids[0]) == 1
             and r.finish_reasons[0] is _NOT_FINISHED)

@@ -149,6 +149,26 @@ def test_top_log_probs_pass_through_the_ensemble_and_the_bls_model(server):
             assert top[0, 0, 0, 0] == out["output_log_probs"].reshape(-1)[-1]  # greedy: chosen first
 
 
+def test_prompt_log_probs_pass_through_the_ensemble_and_the_bls_model(server):
+    """return_prompt_log_probs: once per request, [1, P - 1] with its [1, P - 1, K] alternatives,
+    each position's likeliest token no less likely than the prompt's own."""
+    values = {"text_input": "Count: 1, 2, 3, 4, 5,", "max_tokens": 2, "stream": True,
+              "return_prompt_log_probs": True, "num_top_log_probs": np.array([[2]], np.int32),
+              "return_num_input_tokens": True}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        result = server.stream(values, model=model)
+        assert result.error is None, (model, result.error)
+        carrying = [o for o in result.outputs if o.get("prompt_log_probs") is not None]
+        assert len(carrying) == 1, model
+        out = carrying[0]
+        num_prompt = int(out["num_input_tokens"].reshape(-1)[0])
+        chosen, top = out["prompt_log_probs"], out["prompt_top_log_probs"]
+        assert chosen.shape == (1, num_prompt - 1) and top.shape == (1, num_prompt - 1, 2)
+        assert out["prompt_top_log_prob_ids"].shape == (1, num_prompt - 1, 2)
+        # Both come from one log_softmax on the device: the top one is exactly no smaller.
+        assert bool((chosen <= 0).all()) and bool((top[0, :, 0] >= chosen[0]).all())
+
+
 def test_a_plain_request_ends_without_the_outputs_it_does_not_need(server):
     """preprocessing answers the pipeline without word lists, bias or decoder inputs
     (preprocessing.step_outputs): each request still ends, streamed or not, over gRPC and HTTP,

@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.e2e.conftest import Frontend
 from tools import serve
@@ -194,6 +195,40 @@ def test_top_log_probs_are_sorted_and_head_with_the_greedy_token(client):
     assert len(logprobs.top_logprobs) == 4
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert 1 <= len(top) <= 2 and max(top.values()) == chosen
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, smollm2_dir, tokenizer):
+    """What lm-evaluation-harness sends to score a continuation: a token-id prompt, echo,
+    logprobs 1, max_tokens 1 (or 0). The prompt's log probs (the first null) equal transformers'
+    fp32 log_softmax of the same model (the server computes in fp32 on the CPU), each with its
+    top alternative, which is the greedy token; max_tokens 0 scores the prompt alone."""
+    import transformers
+
+    from tests.model.numerics import log_softmax_noise
+    from tests.model.tolerances import fp32_noise_bound
+
+    ids = tokenizer(COUNT)["input_ids"]
+    reply = client.completions.create(model="ensemble", prompt=[ids], max_tokens=1, temperature=0,
+                                      echo=True, logprobs=1)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and reply.choices[0].text.startswith(tokenizer.decode(ids))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()  # [P, vocab]
+    expected = torch.log_softmax(logits, dim=-1)
+    config = hf.config
+    for i in range(1, len(ids)):
+        # A logit error e moves a log_softmax entry by at most 2e, then its own rounding.
+        magnitude = float(logits[i - 1].abs().max())
+        bound = (2 * fp32_noise_bound(config.num_hidden_layers, config.hidden_size, magnitude)
+                 + log_softmax_noise(config.vocab_size, magnitude))
+        assert abs(logprobs.token_logprobs[i] - float(expected[i - 1, ids[i]])) <= bound, (i, bound)
+        [(_, top)] = logprobs.top_logprobs[i].items()
+        assert abs(top - float(expected[i - 1].max())) <= bound
+    scored = client.completions.create(model="ensemble", prompt=[ids], max_tokens=0, echo=True, logprobs=0)
+    assert scored.usage.completion_tokens == 0 and len(scored.choices[0].logprobs.token_logprobs) == len(ids)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == logprobs.token_logprobs[1:len(ids)]
 
 
 def test_completion_log_probs_one_per_generated_token(client):

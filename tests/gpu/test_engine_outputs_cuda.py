@@ -76,3 +76,37 @@ def test_cuda_logits_match_cpu_with_overlap_and_graphs(tmp_path):
         first_ref, first_got = pairs[0]  # only the first sequence returns the prompt's logits
         assert_logits_close(logits(first_got, "context_logits"), logits(first_ref, "context_logits"),
                             config, f"request {index} context logits")
+
+
+def test_cuda_top_and_prompt_log_probs_match_cpu(tmp_path):
+    """num_top_log_probs and return_prompt_log_probs on CUDA (overlap, graphs, the prompt's
+    logits reduced slice by slice on the device) against the CPU engine: the same ids (greedy)
+    and prompt log probs within the logits' fp32 noise (a logit error e moves a log_softmax
+    entry by at most 2e, plus its own rounding), the bound taken from the CPU's context logits."""
+    from tests.model.numerics import log_softmax_noise, logit_noise_bound
+
+    save_tiny_checkpoint("llama3", tmp_path)
+    asked = OutputConfig(return_log_probs=True, num_top_log_probs=3, return_prompt_log_probs=True,
+                         exclude_input_from_output=True)
+    with_logits = OutputConfig(**{**asked.__dict__, "return_context_logits": True})
+
+    def reqs(config):
+        return [Request(p, NUM_NEW, end_id=-1, output_config=config, streaming=s)
+                for p, s in zip(PROMPTS, (False, True, False))]
+
+    cpu = LLMEngine.from_dir(tmp_path, ExecutorConfig(device="cpu", dtype="float32", kv_cache_config=DEFAULT_KV))
+    cuda = cuda_engine(tmp_path)
+    config = cpu.model_config
+    for ref, got in zip(run(cpu, reqs(with_logits)), run(cuda, reqs(asked))):
+        [ref_prompt] = [r.result for r in ref if r.result.prompt_log_probs is not None]
+        [got_prompt] = [r.result for r in got if r.result.prompt_log_probs is not None]
+        assert got_prompt.context_logits is None
+        positions = ref_prompt.context_logits[:-1]  # [P - 1, vocab]
+        bound = 2 * logit_noise_bound(config, positions).reshape(-1) + torch.tensor(
+            [log_softmax_noise(config.vocab_size, float(row.abs().max())) for row in positions])
+        difference = (torch.tensor(got_prompt.prompt_log_probs, dtype=torch.float64)
+                      - torch.tensor(ref_prompt.prompt_log_probs, dtype=torch.float64)).abs()
+        assert bool((difference <= bound).all()), float((difference / bound).max())
+        assert got_prompt.prompt_top_log_prob_ids == ref_prompt.prompt_top_log_prob_ids
+        ref_top = [row for r in ref for row in r.result.top_log_prob_ids[0]]
+        assert [row for r in got for row in r.result.top_log_prob_ids[0]] == ref_top

@@ -16,7 +16,7 @@ import torch
 from inflight.api.config import ExecutorConfig
 from inflight.model.config import ModelConfig
 from inflight.runner.step_inputs import StepOrder
-from inflight.sampling.sampler import Sampler, SamplerOutput, apply_logits_hooks
+from inflight.sampling.sampler import Sampler, SamplerOutput, apply_logits_hooks, reduce_prompt_logits
 
 VOCAB = 512
 EOS = 2
@@ -87,12 +87,17 @@ class FakeWorker:
             prompt_logits = torch.stack([
                 fake_logits(batch.scheduled[row].seq.token_ids[:batch.scheduled[row].start_position + offset + j + 1])
                 for row, offset, count in context_logits for j in range(count)])
+        reduced, reduction = None, order.prompt_log_probs
+        if reduction is not None:  # the real worker's reduction of the same logits
+            reduced = reduce_prompt_logits(prompt_logits, torch.tensor(reduction.targets), reduction.num_top)
+            if not reduction.keep_logits:
+                prompt_logits = None
         if not sampled:
-            return SamplerOutput(token_ids=[], log_probs=[], context_logits=prompt_logits)
+            return SamplerOutput(token_ids=[], log_probs=[], context_logits=prompt_logits, prompt_log_probs=reduced)
         logits = torch.stack(sampled)  # [num_sampled, vocab]
         kept = logits[generation_logits].clone() if generation_logits else None
         errors = apply_logits_hooks(logits, hooks, request_ids, rows)
         out = self.sampler.sample(logits, rows)
         out.errors = errors
-        out.generation_logits, out.context_logits = kept, prompt_logits
+        out.generation_logits, out.context_logits, out.prompt_log_probs = kept, prompt_logits, reduced
         return out

@@ -124,3 +124,47 @@ def test_greedy_sequences_share_the_prompt_and_match_hf(tiny_dir, hf, config, ov
         assert_logits_close(response.result.generation_logits[0], steps, config, f"sequence {index}")
         metrics = response.result.request_perf_metrics
         assert metrics.kv_cache_reused_blocks == (0 if index == 0 else (len(PROMPT) - 1) // 4)
+
+
+def check_prompt_log_probs(hf, config, result, k: int) -> None:
+    """Prompt token i+1's log prob at position i, against HF's fp32 log_softmax; the K top
+    log probs, descending, equal to HF's at their ids, which are HF's top K but for near ties."""
+    reference = hf_logits(hf, PROMPT)[:-1]  # positions 0..P-2 predict tokens 1..P-1
+    expected = torch.log_softmax(reference.double(), dim=-1)
+    assert len(result.prompt_log_probs) == len(PROMPT) - 1
+    for i, lp in enumerate(result.prompt_log_probs):
+        # A logit error e moves a log_softmax entry by at most 2e; then its own rounding.
+        bound = (2 * float(logit_noise_bound(config, reference[i]))
+                 + log_softmax_noise(config.vocab_size, float(reference[i].abs().max())))
+        assert abs(lp - float(expected[i, PROMPT[i + 1]])) <= bound, (i, lp, bound)
+        if not k:
+            continue
+        values, ids = result.prompt_top_log_probs[i], result.prompt_top_log_prob_ids[i]
+        assert len(values) == len(ids) == k and values == sorted(values, reverse=True)
+        for value, token in zip(values, ids):
+            assert abs(value - float(expected[i, token])) <= bound
+        assert values[-1] >= float(expected[i].topk(k).values[-1]) - 2 * bound  # none larger left out
+    if not k:
+        assert result.prompt_top_log_probs is None
+
+
+@pytest.mark.parametrize("k, overlap", [(0, False), (3, True)])
+def test_prompt_log_probs_match_hf_over_chunks_and_a_cached_prefix(tiny_dir, hf, config, k, overlap):
+    """return_prompt_log_probs: reduced on the device from the prompt positions' logits (which
+    are not returned), over a chunked prompt whose prefix is cached, once, in the first
+    streamed response; next to a request that keeps its raw context logits."""
+    engine = make_engine(tiny_dir, enable_chunked_context=True, max_num_tokens=5, enable_overlap_scheduler=overlap,
+                         kv_cache_config=KvCacheConfig(max_tokens=512, tokens_per_block=4, enable_block_reuse=True))
+    run(engine, [Request(PROMPT, 2, end_id=-1)])  # fills the prefix cache
+    asked = request(streaming=True, return_prompt_log_probs=True, num_top_log_probs=k,
+                    exclude_input_from_output=True)
+    responses, raw = run(engine, [asked, request()])
+    carrying = [r for r in responses if r.result.prompt_log_probs is not None]
+    assert len(carrying) == 1 and carrying[0] is responses[0] and carrying[0].result.context_logits is None
+    check_prompt_log_probs(hf, config, carrying[0].result, k)
+    check_against_hf(hf, config, raw)
+
+
+def test_prompt_log_probs_of_a_non_streamed_request_come_with_its_answer(tiny_dir, hf, config):
+    [responses] = run(make_engine(tiny_dir), [request(return_prompt_log_probs=True, num_top_log_probs=2)])
+    check_prompt_log_probs(hf, config, final(responses).result, 2)

@@ -18,6 +18,9 @@ class FakeTokenizer:
 
     chat_template = "fake"
 
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
+        return [len(word) for word in text.split()]
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join(SAME_TEXT_IDS.get(i, "w" * i) for i in ids)
 
@@ -30,7 +33,9 @@ class FakeTokenizer:
 
 class FakeTriton:
     """Answers every request with `pieces` (one chunk each, log prob -0.5 per token) and, when
-    asked for top log probs, the first num_top_log_probs of `alternatives` for every token."""
+    asked for top log probs, the first num_top_log_probs of `alternatives` for every token. Asked
+    for the prompt's log probs, its first chunk carries `prompt_log_probs(P)` and as many rows of
+    the same alternatives."""
 
     ALTERNATIVES = ((5, -0.25), (9, -1.0), (6, -2.0), (12, -3.0), (7, -4.0))  # (id, log prob), sorted
 
@@ -44,6 +49,10 @@ class FakeTriton:
     async def check_ready(self, fresh=False):
         pass
 
+    @staticmethod
+    def prompt_log_probs(num_prompt_tokens: int) -> list[float]:
+        return [-0.125 * (i + 1) for i in range(num_prompt_tokens - 1)]
+
     async def generate(self, request: EngineRequest, request_id: str = ""):
         self.requests.append(request)
         try:
@@ -53,6 +62,11 @@ class FakeTriton:
                     raise classify(self.error)
                 self.num_sent += 1
                 top = [list(self.ALTERNATIVES[:request.num_top_log_probs])] if request.num_top_log_probs else None
-                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1, top)
+                prompt = prompt_top = None
+                if request.return_prompt_log_probs and i == 0:
+                    prompt = self.prompt_log_probs(len(request.prompt_ids))
+                    prompt_top = top and top * len(prompt)
+                yield EngineChunk(text, [-0.5] if request.return_log_probs else None, 7, i + 1, top,
+                                  prompt, prompt_top)
         finally:
             self.num_closed += 1

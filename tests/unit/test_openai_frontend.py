@@ -185,8 +185,7 @@ def test_bad_token_id_prompts_are_refused_naming_the_prompt(prompt, message):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"prompt": "a", "logprobs": 0, "echo": True}, "echo"),
-    ({"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "logit_bias": {"x": 1.0}}, "logit_bias"),
@@ -276,13 +275,13 @@ def test_inputs_are_encoded_as_tritonclient_encodes_them():
     request = EngineRequest(prompt="héllo 🌍", max_tokens=5, add_special_tokens=False, temperature=0.5,
                             top_p=0.9, top_k=3, frequency_penalty=0.1, presence_penalty=-0.2,
                             repetition_penalty=1.1, min_tokens=2, seed=2**64 - 1, return_log_probs=True,
-                            guide_type="json_schema", guide='{"type": "integer"}')
+                            return_prompt_log_probs=True, guide_type="json_schema", guide='{"type": "integer"}')
     values = {spec.name: getattr(request, spec.name, None) for spec in ENSEMBLE.inputs}
     values.update(text_input=request.prompt, guided_decoding_guide_type=request.guide_type,
                   guided_decoding_guide=request.guide, stream=True, exclude_input_in_output=True,
                   return_num_input_tokens=True, return_num_output_tokens=True)
     inputs = ensemble_inputs(request)
-    assert len({tensor.name for tensor, _ in inputs}) == len(inputs) == 18
+    assert len({tensor.name for tensor, _ in inputs}) == len(inputs) == 19
     for tensor, raw in inputs:
         spec = ENSEMBLE.input(tensor.name)
         value = values[tensor.name]
@@ -428,11 +427,110 @@ def test_completion_top_logprobs_are_a_dict_per_token_and_null_without_them():
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
                               "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2, "echo": True}, "echo"),
 ])
-def test_top_log_probs_beyond_openais_ranges_or_with_echo_get_400s(path, body, param):
+def test_top_log_probs_beyond_openais_ranges_get_400s(path, body, param):
     reply = _run(_post(path, dict(body, model="m")))
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def _streamed(path, body):
+    """Per choice, its streamed text and its log probs' lists joined across chunks."""
+    reply = _run(_post(path, dict(body, stream=True)))
+    choices: dict[int, dict] = {}
+    for line in reply.text.split("\n\n"):
+        if not line or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line.removeprefix("data: "))["choices"]:
+            joined = choices.setdefault(choice["index"], {"text": "", "logprobs": {}})
+            joined["text"] += choice["text"]
+            for key, items in (choice["logprobs"] or {}).items():  # top_logprobs may be null
+                joined["logprobs"][key] = None if items is None else joined["logprobs"].get(key, []) + items
+    return [choices[i] for i in sorted(choices)]
+
+
+def test_echo_with_logprobs_scores_token_id_prompts_as_lm_eval_asks():
+    triton = FakeTriton()
+    body = {"model": "m", "prompt": [[1, 2, 3], [4, 5]], "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}
+    data = _run(_post("/v1/completions", body, triton)).json()
+    assert [r.prompt_ids for r in triton.requests] == [(1, 2, 3), (4, 5)]
+    assert all(r.return_prompt_log_probs and r.return_log_probs and r.num_top_log_probs == 1
+               for r in triton.requests)
+    for choice, prompt in zip(data["choices"], ([1, 2, 3], [4, 5])):
+        logprobs, size = choice["logprobs"], len(prompt)
+        assert choice["text"] == "w" * sum(prompt) + "Hel"  # the prompt as the tokenizer reads it back
+        assert logprobs["tokens"] == ["w" * t for t in prompt] + ["Hel"]
+        assert logprobs["token_logprobs"] == [None, *FakeTriton.prompt_log_probs(size), -0.5]
+        assert logprobs["top_logprobs"] == [None] + [{"wwwww": -0.25}] * size
+        assert logprobs["text_offset"] == [sum(prompt[:i]) for i in range(size + 1)]
+    assert data["usage"]["completion_tokens"] == 2
+    streamed = _streamed("/v1/completions", body)
+    assert [(s["text"], s["logprobs"]) for s in streamed] == [(c["text"], c["logprobs"]) for c in data["choices"]]
+
+
+def test_max_tokens_0_with_echo_returns_the_prompt_only():
+    triton = FakeTriton()
+    body = {"model": "m", "prompt": [1, 2, 3], "echo": True, "logprobs": 0, "max_tokens": 0}
+    data = _run(_post("/v1/completions", body, triton)).json()
+    [choice] = data["choices"]
+    assert triton.requests[0].max_tokens == 1  # the engine generates one token, left out
+    assert choice["text"] == "wwwwww" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"tokens": ["w", "ww", "www"], "token_logprobs": [None, -0.125, -0.25],
+                                  "top_logprobs": None, "text_offset": [0, 1, 3]}
+    assert data["usage"] == {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}
+    assert [(s["text"], s["logprobs"]) for s in _streamed("/v1/completions", body)] == [
+        (choice["text"], choice["logprobs"])]
+    text_only = _run(_post("/v1/completions", dict(body, prompt="Say", logprobs=None))).json()
+    assert text_only["choices"][0]["text"] == "Say" and text_only["usage"]["completion_tokens"] == 0
+    refused = _run(_post("/v1/completions", dict(body, echo=False)))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_text_prompt_with_echo_and_logprobs_goes_as_its_ids():
+    triton = FakeTriton()
+    body = {"model": "m", "prompt": "Say hi there", "echo": True, "logprobs": 2, "max_tokens": 2}
+    data = _run(_post("/v1/completions", body, triton)).json()
+    [request] = triton.requests
+    assert (request.prompt_ids, request.prompt) == ((3, 2, 5), "")
+    raw = {t.name: (t, r) for t, r in ensemble_inputs(request)}
+    assert "text_input" not in raw and np.frombuffer(raw["input_ids"][1], dtype="<i4").tolist() == [3, 2, 5]
+    assert "return_prompt_log_probs" in raw  # encoded as test_inputs_are_encoded_as_tritonclient_... checks
+    logprobs = data["choices"][0]["logprobs"]
+    assert data["choices"][0]["text"] == "w" * 10 + "Hello"
+    assert logprobs["tokens"] == ["www", "ww", "wwwww", "Hel", "lo"]
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {"wwwww": -0.25, "é": -1.0}
+    plain = completion_plan(CompletionRequest(model="m", prompt="Say hi", echo=True), LIMITS)
+    assert not plain.requests[0].return_prompt_log_probs and plain.requests[0].prompt == "Say hi"
+    long = CompletionRequest(model="m", prompt="a " * 256, echo=True, logprobs=0)
+    with pytest.raises(APIError, match="Prompt 0 has 256 tokens"):
+        completion_plan(long, LIMITS, decode=FakeTokenizer().decode, encode=FakeTokenizer().encode)
+
+
+def test_prompt_token_texts_hold_a_split_character_and_join_to_the_echo():
+    def decode(ids):  # byte-level: a token is a byte
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    prompt = list("aé🌍 b".encode())
+    plan = completion_plan(CompletionRequest(model="m", prompt=prompt, echo=True, logprobs=0), LIMITS,
+                           decode=decode)
+    assert plan.echo_tokens == [("a", "", "é", "", "", "", "🌍", " ", "b")] and plan.echo == ["aé🌍 b"]
+    # A prompt that ends inside a character ends as its full decode does.
+    cut = completion_plan(CompletionRequest(model="m", prompt=prompt[:2], echo=True, logprobs=0), LIMITS,
+                          decode=decode)
+    assert cut.echo_tokens == [("a", "\ufffd")]
+
+
+def test_a_chunks_prompt_log_probs_are_read_per_position():
+    ids = np.array([[[5, 9], [7, 8]]], dtype="<i4")  # [1, P-1=2, K=2]
+    values = np.array([[[-0.25, -1.0], [-0.5, -1.5]]], dtype="<f4")
+    chunk = decode_chunk(_response([
+        ("prompt_log_probs", "FP32", [1, 2], np.array([-2.0, -0.75], dtype="<f4").tobytes()),
+        ("prompt_top_log_probs", "FP32", [1, 2, 2], values.tobytes()),
+        ("prompt_top_log_prob_ids", "INT32", [1, 2, 2], ids.tobytes())]))
+    assert chunk.prompt_log_probs == [-2.0, -0.75]
+    assert chunk.prompt_top_log_probs == [[(5, -0.25), (9, -1.0)], [(7, -0.5), (8, -1.5)]]
+    one_token = decode_chunk(_response([("prompt_log_probs", "FP32", [1, 0], b"")]))
+    assert one_token.prompt_log_probs == [] and one_token.prompt_top_log_probs is None
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

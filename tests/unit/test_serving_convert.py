@@ -303,3 +303,17 @@ def test_top_log_probs_cross_the_wire_and_become_tensors():
     out = convert.response_tensors(Response(1, back), convert.RowState(0, convert.RequestOptions()))
     assert out["top_log_probs"].shape == (1, 1, 2, 2) and out["top_log_probs"].dtype == np.float32
     assert out["top_log_prob_ids"].tolist() == [[[[5, 9], [6, 2]]]]
+
+
+def test_prompt_log_probs_cross_the_wire_and_become_tensors():
+    from inflight.serving import wire
+
+    [request], _ = convert.request_rows(_inputs(return_prompt_log_probs=np.array([True])), True, True)
+    assert request.output_config.return_prompt_log_probs
+    result = Result(output_token_ids=[[5]], prompt_log_probs=[-1.5, -0.25],
+                    prompt_top_log_probs=[[-0.5, -1.5], [-0.25, -3.0]], prompt_top_log_prob_ids=[[7, 6], [5, 1]])
+    back = wire.response_from_wire(1, wire.unpack(wire.pack(wire.response_to_wire(Response(1, result))))).result
+    assert back.prompt_log_probs == [-1.5, -0.25] and back.prompt_top_log_prob_ids == [[7, 6], [5, 1]]
+    out = convert.response_tensors(Response(1, back), convert.RowState(0, convert.RequestOptions()))
+    assert out["prompt_log_probs"].tolist() == [[-1.5, -0.25]]
+    assert out["prompt_top_log_probs"].shape == (1, 2, 2) and out["prompt_top_log_prob_ids"].dtype == np.int32

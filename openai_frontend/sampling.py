@@ -12,7 +12,9 @@ names the parameter and the limit:
   tokenized here, as preprocessing would), so that each prompt token is known, and the echo is
   the prompt as the tokenizer reads those ids back, one text per token.
 - `max_tokens` 0 is allowed with `echo` only (scoring the prompt, as OpenAI's legacy API allows):
-  the engine generates one token, which the answer leaves out.
+  the engine generates one token, which the answer leaves out. With `echo` and `logprobs` at
+  least one token is generated (`min_tokens` 1: an end token first is passed over), since
+  lm-evaluation-harness takes the last log prob for the generated token.
 - Completions take a prompt as text, token ids, or a batch of either (choice `index` p*n + i
   for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
 - `logit_bias` ({token id: -100 to 100}) goes as the ensemble's `embedding_bias_ids` and
@@ -201,7 +203,10 @@ def completion_plan(req: CompletionRequest, limits: Limits,
                                    first_index=p * n)
         if score_prompt:
             texts = _texts_in_context(prompt, _need(decode, "'echo' with 'logprobs'"))
-            choices = [replace(r, return_prompt_log_probs=True) for r in choices]
+            # At least one generated token: lm-evaluation-harness reads the last log prob as the
+            # generated one (token_logprobs[ctxlen:-1]), and the engine leaves an end token out.
+            choices = [replace(r, return_prompt_log_probs=True, min_tokens=max(r.min_tokens or 0, 1))
+                       for r in choices]
             echo += ["".join(texts)] * n
             echo_tokens += [texts] * n
         else:

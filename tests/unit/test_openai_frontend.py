@@ -456,6 +456,8 @@ def test_echo_with_logprobs_scores_token_id_prompts_as_lm_eval_asks():
     assert [r.prompt_ids for r in triton.requests] == [(1, 2, 3), (4, 5)]
     assert all(r.return_prompt_log_probs and r.return_log_probs and r.num_top_log_probs == 1
                for r in triton.requests)
+    # One token is always generated: lm-eval drops the last log prob as the generated one.
+    assert all(r.min_tokens == 1 for r in triton.requests)
     for choice, prompt in zip(data["choices"], ([1, 2, 3], [4, 5])):
         logprobs, size = choice["logprobs"], len(prompt)
         assert choice["text"] == "w" * sum(prompt) + "Hel"  # the prompt as the tokenizer reads it back

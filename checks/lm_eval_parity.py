@@ -35,6 +35,7 @@ VENV = REPO / ".cache" / "lm-eval-venv"
 LM_EVAL = "lm-eval[api]==0.4.13"  # [api]: local-completions needs tenacity, aiohttp
 TASK = "inflight_tiny_mc"
 U = 2.0 ** -24  # fp32 unit roundoff
+EPS = 2.0 ** -23  # fp32 machine epsilon (what tests/model/numerics.py's roundings use)
 
 
 def lm_eval_python() -> Path:
@@ -93,10 +94,6 @@ def noise_bound(model_dir: Path, limit: int) -> tuple[float, int]:
     import torch
     import transformers
 
-    sys.path.insert(0, str(REPO))
-    from tests.model.numerics import log_softmax_noise
-    from tests.model.tolerances import fp32_noise_bound
-
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     magnitude, longest = 0.0, 1
@@ -108,9 +105,12 @@ def noise_bound(model_dir: Path, limit: int) -> tuple[float, int]:
                 magnitude = max(magnitude, float(hf(torch.tensor([ids])).logits.abs().max()))
             longest = max(longest, len(tokenizer(f" {choice}", add_special_tokens=False)["input_ids"]))
     config = hf.config
-    per_token = (2 * fp32_noise_bound(config.num_hidden_layers, config.hidden_size, magnitude)
-                 + log_softmax_noise(config.vocab_size, magnitude))
-    return per_token, longest
+    # tests/model/tolerances.py's fp32_noise_bound (two fp32 evaluations of the same network:
+    # 64 (L + 1) sqrt(width) u of the logits' size), twice for a log_softmax entry, plus that
+    # entry's own rounding (tests/model/numerics.py's log_softmax_noise, which it bounds).
+    logits_noise = 64 * (config.num_hidden_layers + 1) * config.hidden_size ** 0.5 * U * magnitude
+    log_softmax_rounding = 2 * (config.vocab_size ** 0.5 * EPS + 2 * EPS * magnitude)
+    return 2 * logits_noise + log_softmax_rounding, longest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--keep", type=Path, help="keep lm-eval's outputs (samples, results) here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from tools import serve
     from tools.local_server import free_ports, running_server
 

@@ -180,7 +180,10 @@ def test_sigterm_drains_live_streams_then_exits_0(repository, tmp_path):
         for stream in (short, *longs):
             stream.join(timeout=120)
         http_long.join(timeout=120)
-        assert short.error is None and len(short.texts) == 6, (short.error, short.texts)  # within the grace
+        # Within the grace it ran to its end without an error (a stream cut by the shutdown gets
+        # one): its 6 tokens in 6 chunks, or fewer when a slow detokenizer step merged two of them
+        # (the stub merges a stream's chunks that waited over 150 ms).
+        assert short.error is None and 1 <= len(short.texts) <= 6, (short.error, short.texts)
         for stream in longs:
             assert "the server is shutting down" in stream.error and "drain period" in stream.error
             assert stream.ended_at - signalled_at >= GRACE_S  # it had its grace period

@@ -169,18 +169,27 @@ class TextTokenizer:
             out[b, 1, :len(offsets)] = offsets
         return out
 
+    def _bias_entries(self, name: str, entries: list, weights: list[float]) -> bool:
+        """Checks a bias list (`name`: words or ids) against its weights: equal lengths, at most
+        max_num_words, finite weights (or -inf, a ban). False when it is empty."""
+        if len(entries) != len(weights):
+            raise InputError(f"{name} has {len(entries)} entries but embedding_bias_weights has {len(weights)}")
+        if not entries:
+            return False
+        check_count(name, len(entries), self.max_num_words, "max_num_words")
+        bad = [w for w in weights if np.isnan(w) or w == np.inf]
+        if bad:
+            raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a token), "
+                             f"got {bad[0]}")
+        return True
+
     def embedding_bias_of_ids(self, ids: list[int], weights: list[float]) -> np.ndarray:
         """Per-token logit bias, float32 `[vocab_size]`, from token ids and their weights
         (`embedding_bias_ids`: OpenAI's `logit_bias`); `[0]` when there are none. An id given
         twice gets both weights. InputError for lists of different lengths, too many ids, an id
         outside the vocabulary, or a NaN / +inf weight."""
-        if len(ids) != len(weights):
-            raise InputError(f"embedding_bias_ids has {len(ids)} entries but embedding_bias_weights "
-                             f"has {len(weights)}")
-        if not ids:
+        if not self._bias_entries("embedding_bias_ids", ids, weights):
             return np.zeros((0,), dtype=np.float32)
-        check_count("embedding_bias_ids", len(ids), self.max_num_words, "max_num_words")
-        _check_bias_weights(weights)
         outside = [i for i in ids if i < 0 or i >= self.vocab_size]
         if outside:
             raise InputError(f"embedding_bias_ids holds {outside[0]}, outside the vocabulary "
@@ -195,13 +204,8 @@ class TextTokenizer:
         Each word's weight is added to every token id of that word (once per occurrence).
         Raises InputError when the lists differ in length or an id is outside the vocabulary.
         """
-        if len(words) != len(weights):
-            raise InputError(f"embedding_bias_words has {len(words)} entries but "
-                             f"embedding_bias_weights has {len(weights)}")
-        if not words:
+        if not self._bias_entries("embedding_bias_words", words, weights):
             return np.zeros((0,), dtype=np.float32)
-        check_count("embedding_bias_words", len(words), self.max_num_words, "max_num_words")
-        _check_bias_weights(weights)
         bias = np.zeros((self.vocab_size,), dtype=np.float32)
         for word, weight in zip(words, weights):
             ids = self._word_ids(word)
@@ -209,10 +213,3 @@ class TextTokenizer:
                 raise InputError(f"embedding bias word {word!r} maps outside the vocabulary")
             np.add.at(bias, np.asarray(ids, dtype=np.int64), np.float32(weight))
         return bias
-
-
-def _check_bias_weights(weights: list[float]) -> None:
-    bad = [w for w in weights if np.isnan(w) or w == np.inf]
-    if bad:
-        raise InputError(f"embedding_bias_weights must be finite numbers (or -inf to ban a token), "
-                         f"got {bad[0]}")

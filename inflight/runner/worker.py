@@ -58,6 +58,10 @@ from inflight.sampling.sampler import DeviceSample, Sampler, apply_logits_hooks,
 
 logger = logging.getLogger(__name__)
 
+# A step's prompt outputs: the context indices' raw logits [C, vocab] float32 (None when no
+# request keeps them) and their reduction to log probs [C, 1 + 2K] (None when none asked).
+PromptOutputs = tuple[torch.Tensor | None, torch.Tensor | None]
+
 
 class Worker:
     """Runs the model over one `StepOrder` and samples the next tokens.
@@ -159,20 +163,20 @@ class Worker:
                 self.ranks.send_step(order.plan)
             except Exception as exc:  # a rank is gone: no step can run any more
                 raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
-        logits, prompt_logits = self.run_model(step)
+        logits, prompt = self.run_model(step)
         if step.sampling_rows is None:
             self._share_sampled_ids(step.num_sampled)
             return None
-        return self.sample(logits, step, prompt_logits)
+        return self.sample(logits, step, prompt)
 
     def prepare_inputs(self, order: StepOrder) -> StepInput:
         """Host work of a step and its one host → device transfer; never syncs."""
         return prepare_inputs(self, order)
 
-    def run_model(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_model(self, step: StepInput) -> tuple[torch.Tensor, PromptOutputs | None]:
         """The forward pass, then the LM head over the sampled rows, and over
-        `step.context_indices` when a request asked for its prompt's logits: ([S, vocab],
-        [C, vocab] or None), float32."""
+        `step.context_indices` when a request asked for its prompt's logits or log probs:
+        ([S, vocab] float32, `_prompt_outputs` or None)."""
         if step.graph_step is not None:
             return self.graph_runner.replay(step.graph_step), None
         meta = step.metadata
@@ -181,20 +185,20 @@ class Worker:
             input_ids = input_ids.index_copy(0, meta.pending_dst,
                                              self.sampled_ids.index_select(0, meta.pending_src))
         hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
-        prompt_logits = None
+        prompt = None
         if step.context_indices is not None:
-            prompt_logits = self._prompt_logits(hidden, step)  # [C, vocab], or (it, [C, 1 + 2K])
+            prompt = self._prompt_outputs(hidden, step)
         if step.num_sampled == 0:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt_logits
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), prompt
         if meta.logits_indices is not None:
             hidden = hidden.index_select(0, meta.logits_indices)  # [S, hidden]
-        return self.model.compute_logits(hidden), prompt_logits  # [S, vocab]
+        return self.model.compute_logits(hidden), prompt  # [S, vocab]
 
-    def _prompt_logits(self, hidden: torch.Tensor, step: StepInput):
+    def _prompt_outputs(self, hidden: torch.Tensor, step: StepInput) -> PromptOutputs:
         """The LM head over `hidden[step.context_indices]`: [C, vocab] float32 logits; with
         `step.prompt_targets`, also their reduction [C, 1 + 2K] float32 (each position's log prob
-        of its target, its K top log probs, their ids: `reduce_prompt_logits`), as (logits or
-        None when no request keeps them, reduction). On CUDA it runs in slices of
+        of its target, its K top log probs, their ids: `reduce_prompt_logits`); either None
+        when no request asked for it. On CUDA it runs in slices of
         `max_batch_size` rows (what the warm-up's sampled rows measured), the kept logits copied
         at once into pinned host memory, so a long prompt's logits never sit on the device whole."""
         indices, targets = step.context_indices, step.prompt_targets
@@ -214,16 +218,14 @@ class Worker:
             elif keep:
                 kept.append(rows)
         logits = host if host is not None else (torch.cat(kept) if keep else None)
-        return logits if targets is None else (logits, torch.cat(reduced))
+        return logits, torch.cat(reduced) if targets is not None else None
 
     def sample(self, logits: torch.Tensor, step: StepInput,
-               prompt_logits: torch.Tensor | None = None) -> DeviceSample:
+               prompt: PromptOutputs | None = None) -> DeviceSample:
         """Logits hooks, then one token per sampled row, left on the device (its copy to the
-        host queued, with the logits requests asked for); `sampled_ids` gets them for the
-        next step."""
-        prompt_log_probs = None
-        if isinstance(prompt_logits, tuple):
-            prompt_logits, prompt_log_probs = prompt_logits
+        host queued, with the logits and log probs requests asked for); `sampled_ids` gets
+        them for the next step."""
+        prompt_logits, prompt_log_probs = prompt or (None, None)
         if step.num_sampled == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceSample(empty, None, [], context_logits=prompt_logits,

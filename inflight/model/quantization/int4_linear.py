@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from inflight.model.quantization import int4
+from inflight.model.quantization._common import param, triton_kernels
 from inflight.model.quantization.schemes import Int4Scheme
 
 
@@ -42,13 +43,13 @@ class Int4Linear(nn.Module):
             raise ValueError(f"{scheme.source}: zero points are packed {int4.PER_WORD} rows to a word; "
                              f"rows {sizes} are not multiples of it")
         num_groups = in_features // self.group_size
-        self.weight_packed = _param(torch.empty(out_features, in_features // int4.PER_WORD, dtype=torch.int32))
-        self.weight_scale = _param(torch.empty(out_features, num_groups))
+        self.weight_packed = param(torch.empty(out_features, in_features // int4.PER_WORD, dtype=torch.int32))
+        self.weight_scale = param(torch.empty(out_features, num_groups))
         if not scheme.symmetric:
-            self.weight_zero_point = _param(torch.empty(out_features // int4.PER_WORD, num_groups,
+            self.weight_zero_point = param(torch.empty(out_features // int4.PER_WORD, num_groups,
                                                         dtype=torch.int32))
-        self.weight_shape = _param(torch.empty(len(sizes), 2, dtype=torch.int64))
-        self.bias = _param(torch.empty(out_features)) if bias else None
+        self.weight_shape = param(torch.empty(len(sizes), 2, dtype=torch.int64))
+        self.bias = param(torch.empty(out_features)) if bias else None
         self.dequantized: torch.Tensor | None = None  # the CPU path's weight
         self.kernel_weight = None  # inflight.kernels.int4.Int4Weight on the CUDA path
         self.buffer: torch.Tensor | None = None  # the shared dequantization buffer (CUDA, many rows)
@@ -80,7 +81,7 @@ class Int4Linear(nn.Module):
         zero_point = None
         if not self.scheme.symmetric:
             zero_point = int4.unpack_rows(self.weight_zero_point, self.out_features)
-        kernels = _int4_kernels() if self.weight_packed.is_cuda else None
+        kernels = triton_kernels("int4") if self.weight_packed.is_cuda else None
         if kernels is not None:
             scale = self.weight_scale.to(dtype)  # half the bytes, where that is exact (bf16 scales)
             if not torch.equal(scale.float(), self.weight_scale):
@@ -95,7 +96,7 @@ class Int4Linear(nn.Module):
             if hasattr(self, name):
                 delattr(self, name)
         if self.bias is not None:
-            self.bias = _param(self.bias.to(dtype))
+            self.bias = param(self.bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -133,17 +134,3 @@ def share_dequantization_buffer(model: nn.Module, dtype: torch.dtype) -> None:
     buffer = torch.empty(size, dtype=dtype, device=next(iter(model.parameters())).device)
     for layer in layers:
         layer.buffer = buffer
-
-
-def _int4_kernels():
-    from inflight import kernels
-
-    if not kernels.triton_available():
-        return None
-    from inflight.kernels import int4 as int4_kernels
-
-    return int4_kernels
-
-
-def _param(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from inflight.model.quantization import fp8
+from inflight.model.quantization._common import param, triton_kernels
 from inflight.model.quantization.int4_linear import Int4Linear, share_dequantization_buffer
 from inflight.model.quantization.schemes import Fp8Scheme, Int4Scheme
 
@@ -68,13 +69,13 @@ class Fp8Linear(nn.Module):
             suffix = scheme.scale_suffix
             if scheme.weights == "block":  # a part's blocks need not line up with its neighbours'
                 for attr, rows in self._block_scale_params():
-                    self.register_parameter(attr, _param(torch.empty(fp8.num_blocks(rows), fp8.num_blocks(in_features))))
+                    self.register_parameter(attr, param(torch.empty(fp8.num_blocks(rows), fp8.num_blocks(in_features))))
             else:
                 shape = (num_parts,) if scheme.weights == "tensor" else (out_features,)
-                self.register_parameter(suffix, _param(torch.empty(shape)))
+                self.register_parameter(suffix, param(torch.empty(shape)))
             if scheme.activations == "static":
-                self.input_scale = _param(torch.empty(num_parts))
-        self.bias = _param(torch.empty(out_features)) if bias else None
+                self.input_scale = param(torch.empty(num_parts))
+        self.bias = param(torch.empty(out_features)) if bias else None
         self.dequantized: torch.Tensor | None = None  # the CPU / fallback path's weight
         self.scale_b: torch.Tensor | None = None  # _scaled_mm's weight scales
         self._kernels = None  # inflight.kernels.fp8 where the CUDA path has triton
@@ -108,8 +109,8 @@ class Fp8Linear(nn.Module):
         scheme = self.scheme
         if scheme.quantized_on_load:
             q, scale = fp8.quantize_weight_per_channel(self.weight)
-            self.weight = _param(q)
-            self.register_parameter(scheme.scale_suffix, _param(scale))
+            self.weight = param(q)
+            self.register_parameter(scheme.scale_suffix, param(scale))
         if scheme.weights == "block":
             rows = [rows for _, rows in self._block_scale_params()]
             self.dequantized = torch.cat([
@@ -118,19 +119,19 @@ class Fp8Linear(nn.Module):
         else:
             self._finalize_scales(dtype)
         if self.bias is not None:
-            self.bias = _param(self.bias.to(dtype))
+            self.bias = param(self.bias.to(dtype))
 
     def _finalize_scales(self, dtype: torch.dtype) -> None:
         scheme = self.scheme
         scale = getattr(self, scheme.scale_suffix).float()
         if scheme.weights == "tensor" and scale.numel() > 1:  # packed parts: one scale for all
             q, scale = fp8.requantize_to_max(list(zip(self.weight.split([n for _, n in self.parts]), scale)))
-            self.weight = _param(q)
-        setattr(self, scheme.scale_suffix, _param(scale.reshape(-1)))
+            self.weight = param(q)
+        setattr(self, scheme.scale_suffix, param(scale.reshape(-1)))
         if scheme.activations == "static":
-            self.input_scale = _param(self.input_scale.float().max().reshape(1))
+            self.input_scale = param(self.input_scale.float().max().reshape(1))
         if _computes_in_fp8(self.weight) and scheme.activations != "none":
-            self._kernels = _fp8_kernels()
+            self._kernels = triton_kernels("fp8")
             self._one = torch.ones((), device=self.weight.device)
             # Fresh tensors: cuBLASLt refuses a scale that is not 16-byte aligned (a view into a
             # packed layer's per-part scales at an offset was CUBLAS_STATUS_NOT_SUPPORTED).
@@ -202,18 +203,6 @@ def _computes_in_fp8(weight: torch.Tensor) -> bool:
     return weight.is_cuda
 
 
-def _fp8_kernels():
-    from inflight import kernels
-
-    if not kernels.triton_available():
-        return None
-    from inflight.kernels import fp8 as fp8_kernels
-
-    return fp8_kernels
-
-
-def _param(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
 
 
 def quantize_linears(model: nn.Module, scheme: Fp8Scheme | Int4Scheme) -> None:

@@ -152,9 +152,11 @@ def int4_checkpoint(weights: dict, folder: Path, group_size: int = INT4_GROUP) -
 
 
 def make_engine(folder: Path, weights, device: torch.device, dtype: str, max_batch_size: int,
-                max_seq_len: int, kv_cache_dtype: str = "auto", **overrides) -> LLMEngine:
+                max_seq_len: int, kv_cache_dtype: str = "auto", max_num_tokens: int = 8192,
+                **overrides) -> LLMEngine:
     config = ExecutorConfig(device=str(device), dtype=dtype, max_batch_size=max_batch_size,
-                            max_num_tokens=8192, max_seq_len=max_seq_len, enable_chunked_context=True,
+                            max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                            enable_chunked_context=True,
                             kv_cache_config=KvCacheConfig(
                                 tokens_per_block=32, dtype=kv_cache_dtype,
                                 max_tokens=None if device.type == "cuda" else max_batch_size * max_seq_len),

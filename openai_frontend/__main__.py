@@ -25,11 +25,13 @@ from openai_frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import APIError
 from openai_frontend.sampling import Limits
+from openai_frontend.tool_parsers import FORMATS
 from openai_frontend.triton_client import ModelInfo, TritonClient
 from openai_frontend.workers import auto_workers
 
 logger = logging.getLogger("openai_frontend")
 FALLBACK_CONTEXT_LENGTH = 2048
+TOOL_PARSERS = [name for name in FORMATS if name != "json_array"]  # json_array: tool_choice required
 GRACEFUL_SHUTDOWN_S = 5  # after the drain: for the streams ended with a 503 to close
 
 
@@ -40,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     parser.add_argument("--tokenizer", help="tokenizer folder for chat templates (default: the "
                         "ensemble's tokenizer_dir parameter, read from Triton)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],
+                        help="the model's tool-call format, read back into tool_calls when tool_choice is "
+                             "auto (default auto: detected from the chat template's markers)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--triton-timeout-s", type=float, default=60.0,
@@ -113,7 +118,10 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
     name = args.served_model_name or args.model
     context = context_length(info, tokenizer)
     prompt = PromptLimits.derive(info.max_input_len, context, info.max_input_bytes)
-    served = ServedModel(name=name, renderer=ChatRenderer(tokenizer, name),
+    renderer = ChatRenderer(tokenizer, name, args.tool_call_parser)
+    logger.info("tool-call format: %s", renderer.tool_format.name if renderer.tool_format else
+                "none (tool_choice auto is refused; required and named functions are served)")
+    served = ServedModel(name=name, renderer=renderer,
                          limits=Limits(context, info.max_output_len, prompt, vocab_size=len(tokenizer)),
                          created=int(time.time()))
     return client, served

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class _Strict(BaseModel):
@@ -78,11 +78,13 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (tool_calls, tool_call_id, ...) are kept so the chat renderer can refuse them.
+    # Extra keys (refusal, audio, ...) are kept so the chat renderer can pass or refuse them.
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -93,8 +95,8 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    # Accepted and ignored: they change nothing in what is generated.
     parallel_tool_calls: bool | None = None
+    # Accepted and ignored: they change nothing in what is generated.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -129,8 +131,9 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None  # ToolCall.to_json() each
 
 
 class ChatChoice(BaseModel):
@@ -152,7 +155,7 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ..., "content": ...}, only the keys that changed
+    delta: dict[str, Any]  # {"role", "content", "tool_calls"}: only the keys that changed
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
 

@@ -11,19 +11,25 @@ TopLogprob entries, most likely first; completions as one {text: log prob} dict 
 two ids of the same text keep the larger log prob. An echoed prompt's tokens come first in a
 completion's log probs (OpenAI's legacy shape): its first token has null for both, as nothing
 precedes it, and `text_offset` runs on across the prompt and the completion.
+
+A chat answer read for tool calls (`Plan.tools`) goes through the same `CallStream` whether it
+is streamed or not: a whole message has the content before the calls (null if none) and
+`tool_calls`; a stream sends content deltas, then each call as a `tool_calls` delta (OpenAI's
+chunk shape, `index` per call), and leaves out chunks with nothing new.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openai_frontend.generation import ChoiceEvent, ChoiceResult, Token
 from openai_frontend.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                       ChatCompletionChunk, ChoiceLogprobs, Completion, CompletionChoice,
                                       CompletionLogprobs, TokenLogprob, TopLogprob, Usage)
 from openai_frontend.sampling import Plan
+from openai_frontend.tool_parsers import assemble
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,21 @@ def completion_logprobs(ctx: Context, tokens: list[Token], offset: int) -> Compl
 
 # ----- whole answers ---------------------------------------------------------------------------
 
+def _chat_choice(ctx: Context, index: int, result: ChoiceResult) -> ChatChoice:
+    logprobs = chat_logprobs(ctx, result.tokens) if ctx.plan.logprobs else None
+    tools = ctx.plan.tools
+    if tools is None:
+        return ChatChoice(index=index, message=AssistantMessage(content=result.text), logprobs=logprobs,
+                          finish_reason=result.finish_reason)
+    stream = tools.stream()
+    content, calls = assemble([stream.feed(result.text), stream.finish()])
+    message = AssistantMessage(content=content or None, tool_calls=[c.to_json() for c in calls] or None)
+    return ChatChoice(index=index, message=message, logprobs=logprobs,
+                      finish_reason=tools.finish_reason(result.finish_reason, len(calls)))
+
+
 def chat_completion(ctx: Context, results: list[ChoiceResult]) -> ChatCompletion:
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=r.text),
-                          logprobs=chat_logprobs(ctx, r.tokens) if ctx.plan.logprobs else None,
-                          finish_reason=r.finish_reason)
-               for i, r in enumerate(results)]
+    choices = [_chat_choice(ctx, i, r) for i, r in enumerate(results)]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                           usage=usage(ctx, [r.num_input_tokens for r in results],
                                       [r.num_output_tokens for r in results]))
@@ -146,19 +162,45 @@ class _StreamState:
 class ChatStream(_StreamState):
     chunk_type = ChatCompletionChunk
 
-    def chunk_json(self, event: ChoiceEvent) -> str:
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        tools = ctx.plan.tools
+        self.calls = [tools.stream() for _ in range(ctx.num_choices)] if tools else None
+        self.num_calls = [0] * ctx.num_choices
+
+    def chunk_json(self, event: ChoiceEvent) -> str | None:
         self.record(event)
-        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+        if self.calls is None:
+            delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+        else:
+            delta, finish_reason = self._tool_delta(event)
+            if not delta and finish_reason is None and self.started[event.index] and not self.ctx.plan.logprobs:
+                return None  # held back (a call's unfinished JSON): nothing to send yet
+            event = replace(event, finish_reason=finish_reason)
         if not self.started[event.index]:
             self.started[event.index] = True
-            delta = {"role": "assistant", "content": event.text}
+            delta = {"role": "assistant", "content": delta.get("content", "")} | delta
         if not self.ctx.plan.logprobs:
             return self.fast_json({"index": event.index, "delta": delta, "logprobs": None,
                                    "finish_reason": event.finish_reason})
         choice = ChatChunkChoice(index=event.index, delta=delta, finish_reason=event.finish_reason,
-                                 logprobs=chat_logprobs(self.ctx, event.tokens) if self.ctx.plan.logprobs else None)
+                                 logprobs=chat_logprobs(self.ctx, event.tokens))
         return self.dump(ChatCompletionChunk(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model,
                                              choices=[choice]))
+
+    def _tool_delta(self, event: ChoiceEvent) -> tuple[dict, str | None]:
+        stream = self.calls[event.index]
+        delta = stream.feed(event.text)
+        if event.finish_reason is not None:
+            delta += stream.finish()
+        self.num_calls[event.index] += sum(call.id is not None for call in delta.calls)
+        out = {"content": delta.content} if delta.content else {}
+        if delta.calls:
+            out["tool_calls"] = [call.to_json() for call in delta.calls]
+        finish = event.finish_reason
+        if finish is not None:
+            finish = self.ctx.plan.tools.finish_reason(finish, self.num_calls[event.index])
+        return out, finish
 
     def final_json(self) -> str | None:
         return self.usage_json(ChatCompletionChunk)

@@ -19,7 +19,10 @@ names the parameter and the limit:
   for prompt p); ids are checked against the vocabulary and sent as they are (`input_ids`).
 - `logit_bias` ({token id: -100 to 100}) goes as the ensemble's `embedding_bias_ids` and
   `embedding_bias_weights`, added to the logits before sampling (as OpenAI defines it).
-- `suffix`, `best_of` other than `n` and tools are refused.
+- `suffix` and `best_of` other than `n` are refused.
+- Chat's `tools` and `tool_choice` are planned in `openai_frontend.tools`: the tools go to the
+  chat template, `required` and a named function become guided decoding (so they cannot be
+  combined with a `response_format`), and the plan says how each answer is read back.
 - A prompt's size is checked before it is rendered or tokenized (`ensemble.limits`): its bytes
   against `max_input_bytes`, then its tokens against the context.
 - Chat's `response_format` `json_object` / `json_schema` becomes the ensemble's guided decoding
@@ -39,6 +42,7 @@ from ensemble.limits import PromptLimits
 from openai_frontend.chat import ChatRenderer
 from openai_frontend.errors import bad_request
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from openai_frontend.tools import ToolPlan, plan_tools
 from openai_frontend.triton_client import EngineRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -81,6 +85,7 @@ class Plan:
     # With echo and logprobs: the texts of choice i's prompt tokens, which join to echo[i].
     echo_tokens: list[tuple[str, ...]] = field(default_factory=list)
     drop_output: bool = False  # max_tokens 0 with echo: the one token generated is left out
+    tools: ToolPlan | None = None  # chat answers read for tool calls
 
 
 def _common_checks(req: GenerationRequest) -> None:
@@ -281,12 +286,15 @@ def _echo_text(prompt: str | list[int], decode: Callable[[list[int]], str] | Non
 
 def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits) -> Plan:
     _common_checks(req)
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("Tool calling is not supported by this server.", "tools", "unsupported_parameter")
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, renderer.tool_format)
+    if tools.guide_type is not None and _guide(req.response_format)[0] is not None:
+        raise bad_request("'response_format' cannot be combined with 'tool_choice' required or a named "
+                          "function: both constrain the answer.", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    limits.check_prompt_bytes(sum(_message_bytes(m) for m in req.messages), "messages")
-    prompt = renderer.encode(req.messages)
+    tool_bytes = len(json.dumps(req.tools).encode("utf-8")) if tools.template_tools else 0
+    limits.check_prompt_bytes(sum(_message_bytes(m) for m in req.messages) + tool_bytes, "messages")
+    prompt = renderer.encode(req.messages, tools.template_tools)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
@@ -298,19 +306,21 @@ def chat_plan(req: ChatCompletionRequest, renderer: ChatRenderer, limits: Limits
         max_tokens = min(room, limits.max_output_len or room)
     _check_max_tokens(max_tokens, limits, param)
     n = req.n or 1
-    guide = dict(zip(("guide_type", "guide"), _guide(req.response_format)))
+    guide_type, guide = (tools.guide_type, tools.guide) if tools.guide_type else _guide(req.response_format)
     top_logprobs = req.top_logprobs or 0
-    requests = [replace(r, **guide) for r in _engine_requests(req, prompt, max_tokens, n, None,
-                                                              bool(req.logprobs), top_logprobs, limits)]
+    requests = [replace(r, guide_type=guide_type, guide=guide)
+                for r in _engine_requests(req, prompt, max_tokens, n, None, bool(req.logprobs), top_logprobs,
+                                          limits)]
     return Plan(requests, n, [""] * n, req.stop_strings, bool(req.logprobs), top_logprobs, bool(req.stream),
-                bool(req.stream_options and req.stream_options.include_usage))
+                bool(req.stream_options and req.stream_options.include_usage), tools=tools.plan)
 
 
 def _message_bytes(message) -> int:
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content)
-    return len((content or "").encode("utf-8")) + len((message.name or "").encode("utf-8"))
+    calls = json.dumps(message.tool_calls) if message.tool_calls else ""
+    return len((content or "").encode("utf-8")) + len((message.name or "").encode("utf-8")) + len(calls.encode())
 
 
 def _guide(response_format: dict | None) -> tuple[str | None, str | None]:

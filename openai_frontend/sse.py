@@ -95,7 +95,9 @@ class _EventStream(StreamingResponse):
 async def _body(events: AsyncIterator, stream) -> AsyncIterator[bytes]:
     try:
         async for item in events:
-            yield event(stream.chunk_json(item))
+            data = stream.chunk_json(item)
+            if data is not None:  # None: nothing new to send (a tool call still being written)
+                yield event(data)
         final = stream.final_json()
         if final is not None:
             yield event(final)

@@ -32,21 +32,22 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool,
                                              split_special_tokens=not parse_special_tokens)]
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                parse_special_tokens: bool = False) -> list[int]:
-    """A conversation → the ids of its prompt, ending with the assistant's generation prompt.
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], parse_special_tokens: bool = False,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A conversation → the ids of its prompt, ending with the assistant's generation prompt;
+    `tools` (function definitions) go to the template, which shows them in its own way.
 
     The template writes BOS and the role markers, so no other special tokens are added. Raises
     InputError when the template refuses the conversation, or when a message holds a
     special-token string and this transformers cannot keep it as text (`sanitize_control_tokens`
     is missing before transformers 5.2x).
     """
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"tools": tools} if tools else {}
     if not parse_special_tokens:
         if _can_sanitize(type(tokenizer)):
             options["sanitize_control_tokens"] = True
         else:
-            _refuse_control_tokens(tokenizer, messages)
+            _refuse_control_tokens(tokenizer, messages, tools or [])
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=False, **options)
@@ -61,14 +62,22 @@ def _can_sanitize(tokenizer_class: type) -> bool:
     return "sanitize_control_tokens" in inspect.signature(tokenizer_class.apply_chat_template).parameters
 
 
-def _refuse_control_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
+def _refuse_control_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
     specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
     if not specials:
         return
     pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
-    for index, message in enumerate(messages):
-        for value in message.values():
-            found = pattern.search(value) if isinstance(value, str) else None
-            if found:
-                raise InputError(f"message {index} holds the control token {found.group()!r}, which "
-                                 "this server's transformers cannot keep as text; remove it")
+    for what, values in [*((f"message {i} holds", m) for i, m in enumerate(messages)), ("the tools hold", tools)]:
+        found = _search(pattern, values)
+        if found:
+            raise InputError(f"{what} the control token {found!r}, which this server's "
+                             "transformers cannot keep as text; remove it")
+
+
+def _search(pattern: re.Pattern, value: Any) -> str | None:
+    """The first match in any string inside `value` (nested dicts and lists, as tool calls are)."""
+    if isinstance(value, str):
+        found = pattern.search(value)
+        return found.group() if found else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for item in items if (found := _search(pattern, item))), None)

@@ -83,6 +83,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     parser.add_argument("--openai_port", type=int, default=9000)
     parser.add_argument("--served_model_name", help="the model id OpenAI clients send (default: ensemble)")
+    parser.add_argument("--tool_call_parser", help="the model's tool-call format for tool_choice auto: "
+                        "hermes, llama3_json, mistral or none (default: detected from the chat template)")
     parser.add_argument("--frontend_ready_timeout", type=float, default=120)
     own, launcher_argv = parser.parse_known_args(argv)
     if "-h" in launcher_argv or "--help" in launcher_argv:
@@ -106,6 +108,8 @@ def main(argv=None) -> int:
         extra = ["--drain-timeout-s", str(triton.exit_timeout)]
         if args.served_model_name:
             extra += ["--served-model-name", args.served_model_name]
+        if args.tool_call_parser:
+            extra += ["--tool-call-parser", args.tool_call_parser]
         frontend = start(frontend_command(f"{local}:{triton.grpc_port}", triton.host, args.openai_port,
                                           extra))
         if not wait_http_ok([launcher, frontend], f"http://{local}:{args.openai_port}/health/ready",

@@ -25,8 +25,9 @@ class FakeTokenizer:
         return "".join(SAME_TEXT_IDS.get(i, "w" * i) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=True,
-                            sanitize_control_tokens=False):
+                            sanitize_control_tokens=False, tools=None):
         assert add_generation_prompt and tokenize and not return_dict and sanitize_control_tokens
+        self.rendered = (messages, tools)  # what the template was given, for the tests to read
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return [len(word) for word in text.split()]
 

@@ -204,7 +204,7 @@ def test_completion_requests_the_engine_cannot_serve_are_refused_by_name(fields,
 @pytest.mark.parametrize("fields, param", [
     ({"top_logprobs": 0}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: no parser
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
 ])

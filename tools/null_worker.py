@@ -43,7 +43,7 @@ class NullModel(torch.nn.Module):
         self.hidden = torch.zeros(max_tokens, 1)
         self.logits = torch.zeros(max_rows, config.vocab_size)
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, lora=None) -> torch.Tensor:
         return self.hidden[:input_ids.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

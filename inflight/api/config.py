@@ -196,6 +196,34 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
+class PeftCacheConfig:
+    """LoRA serving (TensorRT-LLM's `PeftCacheConfig`; the tensorrt_llm parameters `lora_cache_*`).
+
+    Adapters arrive with requests (`lora_task_id` plus, the first time, `lora_weights` /
+    `lora_config`) or from `lora_prefetch_dir` at start-up, and are kept by task id in host
+    memory up to `host_cache_size` bytes, least recently used evicted first. `max_loras`
+    (vLLM's name) bounds the distinct adapters one step may use, which is also how many the
+    device keeps; `max_adapter_size` bounds an adapter's rank.
+    """
+
+    max_loras: int = 8
+    max_adapter_size: int = 64
+    optimal_adapter_size: int = 8  # accepted (TensorRT-LLM's paging hint); nothing to tune here
+    host_cache_size: int = 1 << 30
+    device_cache_percent: float | None = None  # accepted; adapters live in the model's dtype
+    lora_prefetch_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _check(self.max_adapter_size >= 1,
+               f"lora_cache_max_adapter_size must be >= 1, got {self.max_adapter_size}")
+        _check(self.host_cache_size > 0,
+               f"lora_cache_host_memory_bytes must be > 0, got {self.host_cache_size}")
+        _check(self.device_cache_percent is None or 0.0 < self.device_cache_percent <= 1.0,
+               f"lora_cache_gpu_memory_fraction must be in (0, 1], got {self.device_cache_percent}")
+
+
+@dataclass(frozen=True)
 class ExecutorConfig:
     """Engine-wide settings (TensorRT-LLM's `ExecutorConfig`, plus `dtype` and `device`)."""
 
@@ -239,6 +267,8 @@ class ExecutorConfig:
     # None: guided decoding off (a request that asks for it is refused). Requests with a guide
     # need their tokens on the host before the next step, so they make steps synchronous.
     guided_decoding_config: GuidedDecodingConfig | None = None
+    # None: LoRA off (a request with lora_task_id is refused).
+    peft_cache_config: PeftCacheConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_beam_width >= 1, f"max_beam_width must be >= 1, got {self.max_beam_width}")

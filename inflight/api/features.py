@@ -43,6 +43,11 @@ GUIDED_DECODING_OFF = ("guided decoding (guided_decoding_guide_type) is off in t
                        "tensorrt_llm parameters guided_decoding_backend (xgrammar) and tokenizer_dir")
 
 
+LORA_OFF = ("LoRA (lora_task_id) is off in this model: set a tensorrt_llm parameter lora_cache_* or "
+            "lora_prefetch_dir (tools/build_repository.py --lora_modules), then send lora_weights and "
+            "lora_config with an adapter's first request")
+
+
 def _not_yet(what: str) -> str:
     return f"{what} is not supported yet by this engine"
 
@@ -72,6 +77,5 @@ def unsupported(request: Request, features: EngineFeatures) -> str | None:
     if request.guided_decoding_params is not None and not features.guided_decoding:
         return GUIDED_DECODING_OFF
     if request.lora_config is not None and not features.lora:
-        return ("LoRA is not supported yet by this engine: lora_task_id, lora_weights and "
-                "lora_config are accepted but a request may not use them")
+        return LORA_OFF
     return None

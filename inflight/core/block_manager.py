@@ -32,6 +32,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
     return hash((parent_hash, token_ids))
 
 
+def _root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: none for the base model; per LoRA adapter
+    otherwise, since the same tokens have other keys and values under an adapter."""
+    return None if seq.lora_id is None else hash(("lora", seq.lora_id))
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and tracks which ones can be reused.
 
@@ -132,7 +138,7 @@ class BlockManager:
     def _attach_cached(self, seq: Sequence, max_num_blocks: int) -> int:
         """Attach blocks found in the prefix cache by their chained hashes; returns how many."""
         hashes: list[int] = []
-        parent: int | None = None
+        parent = _root(seq)
         for index in range(max_num_blocks):
             tokens = self._block_tokens(seq, index)
             block_hash = hash_block_tokens(parent, tokens)
@@ -181,7 +187,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq, [])
         num_full_blocks = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for index in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _root(seq)
             tokens = self._block_tokens(seq, index)
             block_hash = hash_block_tokens(parent, tokens)
             hashes.append(block_hash)

@@ -5,7 +5,9 @@ catching up with `num_tokens`, and each step the scheduler hands out a token bud
 (`max_num_tokens`) and batch rows (`max_batch_size`). Running sequences are served first:
 decodes, then the chunks of prompts still being prefilled, so neither new prompts nor a long one
 being prefilled in chunks ever starve the streams that are generating; then waiting sequences
-are admitted in FIFO order.
+are admitted in FIFO order. With `max_loras`, a step's rows use at most that many distinct
+LoRA adapters: a waiting sequence whose adapter would be one too many waits (FIFO, like a full
+cache) until a running one's adapter leaves.
 
 Capacity policies (TensorRT-LLM's names):
 - GUARANTEED_NO_EVICT admits a request only when the KV blocks for its whole life
@@ -37,7 +39,7 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 policy: CapacitySchedulerPolicy, enable_chunked_context: bool):
+                 policy: CapacitySchedulerPolicy, enable_chunked_context: bool, max_loras: int | None = None):
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_num_tokens <= 0:
@@ -47,6 +49,7 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Cumulative over the scheduler's life, for stats.
@@ -301,10 +304,17 @@ class Scheduler:
         reserve_all = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
         num_reserved_blocks = sum(self._reserved_blocks(s) for s in self.running
                                   if reserve_all or s.beam_width > 1)
+        loras = None
+        if self.max_loras is not None:
+            loras = {s.lora_id for s in self.running if s.lora_id is not None}
         while self.waiting and self.num_running_rows < self.max_batch_size and num_budget_tokens > 0:
             seq = self.waiting[0]
             if self.num_running_rows + seq.beam_width > self.max_batch_size:
                 break
+            if loras is not None and seq.lora_id is not None and seq.lora_id not in loras:
+                if len(loras) >= self.max_loras:
+                    break
+                loras.add(seq.lora_id)
             if reserve_all or seq.beam_width > 1:
                 num_seq_blocks = self._reserved_blocks(seq)
                 if num_reserved_blocks + num_seq_blocks > self.block_manager.num_total_blocks:

@@ -61,6 +61,9 @@ class Sequence:
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
     beam_width: int = 1  # of the request (the leader's; siblings copy it)
     beam_siblings: list["Sequence"] = field(default_factory=list)  # the leader's other beams
+    # The LoRA adapter's task id (None: the base model). Its KV differs from the base model's,
+    # so its cached prefix blocks are its own, and a step holds at most max_loras adapters.
+    lora_id: int | None = None
 
     @property
     def group(self) -> list["Sequence"]:

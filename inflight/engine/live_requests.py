@@ -18,8 +18,12 @@ class LiveRequests:
     """The live sequences and their groups; admitting and ending them keeps the scheduler's
     queues and the counts in step."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, loras=None):
+        """`loras`: the engine's `LoraCache` (None without LoRA): a live sequence holds its
+        adapter there, so it is not evicted while in use."""
         self.scheduler = scheduler
+        self.loras = loras
+        self.num_lora_requests = 0  # live sequences with an adapter
         self.requests: dict[int, RequestState] = {}  # by `RequestState.key`
         self.groups: dict[int, RequestGroup] = {}  # num_return_sequences > 1, by request id
         # Requests whose step-time outputs are still due: perf metrics before their first step,
@@ -41,6 +45,9 @@ class LiveRequests:
         self.num_host_token_requests += state.needs_host_tokens
         self.num_beam_requests += state.is_beam
         self.num_generation_logit_requests += state.request.output_config.return_generation_logits
+        if state.lora is not None:
+            self.loras.hold(state.lora)
+            self.num_lora_requests += 1
         if state.request.output_config.return_perf_metrics:
             self.awaiting_schedule.add(state)
         if state.outputs.want_context_logits:
@@ -66,6 +73,9 @@ class LiveRequests:
             self.num_generation_logit_requests -= state.request.output_config.return_generation_logits
             self.awaiting_schedule.discard(state)
             self.awaiting_context.discard(state)
+            if state.lora is not None:
+                self.loras.release(state.lora)
+                self.num_lora_requests -= 1
 
     def cancel(self, request_id: int) -> Response | None:
         """Stop a request (every sequence of it) now; returns its final (cancelled) response,

@@ -48,6 +48,8 @@ from inflight.engine.request_intake import RequestIntake
 from inflight.engine.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
 from inflight.engine.step_update import InFlight, StepUpdate
 from inflight.fatal_errors import as_fatal, breaks_device
+from inflight.lora.cache import LoraCache
+from inflight.lora.prefetch import prefetch
 from inflight.platform import default_max_num_tokens
 from inflight.runner.ranks import start_worker
 from inflight.runner.step_inputs import PromptLogProbs, StepOrder
@@ -71,18 +73,23 @@ class LLMEngine:
                                           self.config.kv_cache_config.enable_block_reuse)
         self.max_num_tokens = config.max_num_tokens or default_max_num_tokens(
             worker.device, config.enable_chunked_context)
+        peft = config.peft_cache_config
+        self.loras = LoraCache(peft.host_cache_size) if peft is not None else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size,
                                    self.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
-                                   self.config.enable_chunked_context)
-        self.live = LiveRequests(self.scheduler)
+                                   self.config.enable_chunked_context,
+                                   max_loras=peft.max_loras if peft is not None else None)
+        self.live = LiveRequests(self.scheduler, self.loras)
         self.updater = StepUpdate(self.live, self.block_manager, worker, self.model_config.vocab_size)
         self._next_request_id = 1
         self.iteration = 0
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: InFlight | None = None
-        self.intake = RequestIntake(config, worker, self.scheduler)
+        self.intake = RequestIntake(config, worker, self.scheduler, self.loras)
+        if peft is not None and peft.lora_prefetch_dir:
+            prefetch(self.loras, peft.lora_prefetch_dir, self.model_config, peft.max_adapter_size)
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
@@ -217,6 +224,8 @@ class LLMEngine:
             reduction = self._prompt_log_probs(batch, spans)
             if reduction is not None:
                 extras["prompt_log_probs"] = reduction
+        if live.num_lora_requests:  # each scheduled row's adapter (prompt chunks included)
+            extras["loras"] = [live.requests[item.seq.request_id].lora for item in batch.scheduled]
         if live.num_generation_logit_requests:
             keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
             if keep:

@@ -12,25 +12,29 @@ from typing import Callable
 
 import torch
 
+from ensemble.errors import InputError
 from inflight.api.config import ExecutorConfig
-from inflight.api.features import GUIDED_DECODING_OFF
+from inflight.api.features import GUIDED_DECODING_OFF, LORA_OFF
 from inflight.api.types import QueueFullError, Request, RequestError
 from inflight.core.scheduler import Scheduler
 from inflight.core.sequence import Sequence
 from inflight.engine.beam_state import BeamRequestState
 from inflight.engine.request_outputs import RequestOutputs
 from inflight.engine.request_state import RequestGroup, RequestState
+from inflight.lora.nvidia import from_nvidia
 
 
 class RequestIntake:
     """Validates requests and builds their states. `worker` gives the limits and the device:
     `model_config`, `max_seq_len`, `device` and, at tensor parallelism, `tp`."""
 
-    def __init__(self, config: ExecutorConfig, worker, scheduler: Scheduler):
+    def __init__(self, config: ExecutorConfig, worker, scheduler: Scheduler, loras=None):
+        """`loras`: the engine's `LoraCache` (None: LoRA off)."""
         self.config = config
         self.worker = worker
         self.vocab_size = worker.model_config.vocab_size
         self.scheduler = scheduler
+        self.loras = loras
         self.grammars = None
         if config.guided_decoding_config is not None:
             from inflight.sampling.grammar import GrammarCompiler  # xgrammar: only when it is used
@@ -47,7 +51,8 @@ class RequestIntake:
             raise QueueFullError(f"Maximum queue size of {max_queue} has been reached, "
                                  "please try again later")
         bias = self._embedding_bias(request)
-        first = self._new_state(request, request_id, request_id, 0, bias, None)
+        lora = self.lora(request)
+        first = self._new_state(request, request_id, request_id, 0, bias, None, lora)
         # Beam search returns its beams in one sequence (num_return_sequences picks them).
         num_sequences = 1 if request.sampling_config.beam_width > 1 else request.sampling_config.num_sequences
         reason = self.scheduler.check_fits(first.seq)
@@ -56,12 +61,33 @@ class RequestIntake:
         if reason:
             raise RequestError(reason)
         if num_sequences > 1:  # TensorRT-LLM's child requests: they wait for the first's prompt
-            others = [self._new_state(request, request_id, new_request_id(), i, bias, first.seq)
+            others = [self._new_state(request, request_id, new_request_id(), i, bias, first.seq, lora)
                       for i in range(1, num_sequences)]
             group = RequestGroup(request_id, [first, *others], others, num_sequences)
             for state in group.members:
                 state.group = group
         return first
+
+    def lora(self, request: Request):
+        """The request's adapter (`CachedLora`; None without one): its weights parsed and cached
+        under its task id when it carries them, else the cached ones. RequestError with
+        TensorRT-LLM's text when the id is not cached, or the weights do not fit the model."""
+        lora_config = request.lora_config
+        if lora_config is None:
+            return None
+        if self.loras is None:
+            raise RequestError(LORA_OFF)
+        try:
+            if lora_config.weights is None and lora_config.config is None:
+                return self.loras.get(lora_config.task_id)
+            if lora_config.weights is None or lora_config.config is None:
+                raise InputError("lora_weights and lora_config come together: send both with an adapter's "
+                                 "first request, neither afterwards")
+            adapter = from_nvidia(lora_config.weights, lora_config.config, self.worker.model_config,
+                                  max_rank=self.config.peft_cache_config.max_adapter_size)
+            return self.loras.put(lora_config.task_id, adapter)
+        except InputError as exc:
+            raise RequestError(str(exc)) from None
 
     def guide(self, request: Request):
         """A grammar matcher for the request's guide (None without one), its grammar compiled
@@ -132,7 +158,7 @@ class RequestIntake:
                                    "+inf; it must be finite (or -inf to ban a token)")
 
     def _new_state(self, request: Request, request_id: int, key: int, index: int,
-                   bias: torch.Tensor | None, parent: Sequence | None) -> RequestState:
+                   bias: torch.Tensor | None, parent: Sequence | None, lora=None) -> RequestState:
         """Sequence `index` of a request. Only the first returns the prompt's logits, and it
         then computes its whole prompt (no cached prefix); the others share its prompt blocks."""
         config = request.output_config
@@ -140,11 +166,12 @@ class RequestIntake:
         beam_width = request.sampling_config.beam_width
         seq = Sequence(request_id=key, prompt_token_ids=list(request.input_token_ids),
                        max_new_tokens=request.max_tokens, reuse_prefix=not want_context_logits,
-                       fork_parent=parent, beam_width=beam_width)
+                       fork_parent=parent, beam_width=beam_width,
+                       lora_id=None if lora is None else lora.key)
         outputs = RequestOutputs(request.output_config, seq.num_prompt_tokens, want_context_logits)
         state_class = BeamRequestState if beam_width > 1 else RequestState
         return state_class(request_id, request, seq, self._make_generator(request, index), bias, outputs,
-                           guide=self.guide(request), sequence_index=index)
+                           guide=self.guide(request), sequence_index=index, lora=lora)
 
     def _make_generator(self, request: Request, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence `index`: seeded `seed + index`, so the first sequence draws what

@@ -60,6 +60,7 @@ class RequestState:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     sequence_index: int = 0
     group: RequestGroup | None = None  # num_return_sequences > 1
+    lora: Any = None  # the request's LoRA adapter (inflight.lora.cache.CachedLora), or None
 
     def __post_init__(self) -> None:
         # This sequence's id in the engine and the scheduler (the request id for the first);

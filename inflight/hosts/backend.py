@@ -36,7 +36,8 @@ def engine_features(backend: str, config: ExecutorConfig) -> EngineFeatures:
     if backend == "tensorrtllm":
         return ALL_FEATURES
     return dataclasses.replace(BUILTIN_FEATURES, max_beam_width=config.max_beam_width,
-                               guided_decoding=config.guided_decoding_config is not None)
+                               guided_decoding=config.guided_decoding_config is not None,
+                               lora=config.peft_cache_config is not None)
 
 
 class TensorRTLLMExecutor:  # pragma: no cover - needs TensorRT-LLM, which is not installable here

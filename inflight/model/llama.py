@@ -16,6 +16,10 @@ Tensor parallelism (`tp`, see `inflight.model.sharding`): each rank builds the m
 the partial sums of o_proj and down_proj are all-reduced (one all-reduce after attention, one
 after the MLP), the embedding is all-reduced and the logits all-gathered. With one rank those
 calls are no-ops.
+
+LoRA: a step whose rows use adapters passes a `LoraBatch` (`inflight.lora.batch`, a layer
+above this one: any object with its `apply`); each projection's output then gains its tokens'
+adapter deltas. Without one nothing extra runs.
 """
 
 from __future__ import annotations
@@ -119,20 +123,30 @@ class Attention(nn.Module):
         self.kv_scales = (1.0, 1.0)
 
     def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
+                attn_metadata: Any, lora: Any = None, layer: int = 0) -> torch.Tensor:
         """`rope` comes from `ops.rope_context`; `attn_metadata` from the backend's
-        `build_metadata` (or `graph_metadata`)."""
+        `build_metadata` (or `graph_metadata`); `lora`: the step's adapters, `layer` this one's index."""
         num_tokens = x.shape[0]
         if self.packed:
-            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, Hq*D + 2*Hkv*D]
+            qkv = self.qkv_proj(x)  # [T, Hq*D + 2*Hkv*D]
+            if lora is not None:
+                lora.apply(layer, tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes)), x, qkv)
+            q, k, v = qkv.split(self.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if lora is not None:
+                for name, out, size in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), self.sizes):
+                    lora.apply(layer, ((name, size),), x, out)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim)))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(out)  # [T, hidden]
+        if lora is not None:
+            lora.apply(layer, (("o_proj", projected.shape[-1]),), out, projected)
+        return self.tp.all_reduce(projected)
 
 
 class SiluAndMul(nn.Module):
@@ -163,7 +177,9 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None, layer: int = 0) -> torch.Tensor:
+        if lora is not None:
+            return self.tp.all_reduce(self._forward_lora(x, lora, layer))
         if self.packed:
             out = self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         else:
@@ -171,18 +187,38 @@ class MLP(nn.Module):
             out = self.down_proj(gate.mul_(self.up_proj(x)))
         return self.tp.all_reduce(out)
 
+    def _forward_lora(self, x: torch.Tensor, lora: Any, layer: int) -> torch.Tensor:
+        """The MLP with the step's adapter deltas on gate/up and down. The activation is the
+        plain one (`ops.silu_and_mul`, not an FP8-writing fusion): the adapters need down_proj's
+        input in the activation dtype."""
+        if self.packed:
+            gate_up = self.gate_up_proj(x)  # [T, 2I]
+            inter = gate_up.shape[-1] // 2
+            lora.apply(layer, (("gate_proj", inter), ("up_proj", inter)), x, gate_up)
+            hidden = self.ops.silu_and_mul(gate_up)  # [T, I]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            lora.apply(layer, (("gate_proj", gate.shape[-1]),), x, gate)
+            lora.apply(layer, (("up_proj", up.shape[-1]),), x, up)
+            hidden = F.silu(gate, inplace=True).mul_(up)  # as the base path computes it
+        out = self.down_proj(hidden)
+        lora.apply(layer, (("down_proj", out.shape[-1]),), hidden, out)
+        return out
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
-                 ops: TorchOps, tp: TensorParallel) -> None:
+                 ops: TorchOps, tp: TensorParallel, index: int = 0) -> None:
         super().__init__()
+        self.index = index
         self.self_attn = Attention(config, backend, pack_projections, ops, tp)
         self.mlp = MLP(config, pack_projections, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Any,
-                kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor, attn_metadata: Any,
+                lora: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's `h = h + attn(norm(h)); h = h + mlp(norm(h))` with each add carried into the
         next norm: returns (this layer's MLP output, the residual stream before adding it)."""
         if residual is None:  # the first layer: the residual stream is the embeddings
@@ -190,9 +226,13 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+        if lora is None:
+            hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata, lora, self.index)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora, self.index), residual
 
 
 class LlamaModel(nn.Module):
@@ -201,8 +241,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         layer_config = shard_config(config, tp.size)
-        self.layers = nn.ModuleList(DecoderLayer(layer_config, backend, pack_projections, ops, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(layer_config, backend, pack_projections, ops, tp, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
@@ -242,7 +282,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: Any,
+                lora: Any = None) -> torch.Tensor:
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
@@ -250,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.ops.rope_context(self.model.rotary_emb, positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_metadata, lora)
         return self.model.norm(hidden, residual)[0]  # [T, hidden]
 
     @torch.inference_mode()

@@ -64,6 +64,9 @@ class StepOrder:
     generation_logits: list[int] | None = None
     batch: SchedulerOutput | None = None
     prompt_log_probs: PromptLogProbs | None = None  # with context_logits: their reduction
+    # Per scheduled row, its LoRA adapter (`inflight.lora.cache.CachedLora`) or None; None when
+    # no row has one.
+    loras: list[Any] | None = None
 
     @classmethod
     def from_batch(cls, batch: SchedulerOutput, block_size: int, rows: list[SamplingRow],
@@ -94,6 +97,7 @@ class StepInput:
     prompt_targets: torch.Tensor | None = None  # [C] int64 (-1: none): context_indices' targets
     prompt_num_top: int = 0
     keep_prompt_logits: bool = True  # whether the context indices' raw logits are kept
+    lora: Any = None  # the step's `LoraBatch` (eager steps whose rows use adapters), else None
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -114,6 +118,7 @@ class InputTarget(Protocol):
 
     graph_runner: CudaGraphRunner | None
     backend: Any  # an attention backend: `build_metadata(StepMetadata)`
+    lora_cache: Any  # `LoraDeviceCache` (None: LoRA off)
     block_size: int
     device: torch.device
 
@@ -122,7 +127,8 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     """The step's inputs from its plan: a staged CUDA graph step, or the metadata."""
     plan, rows = order.plan, order.rows
     extras = (rows, order.hooks, order.request_ids)
-    runner = target.graph_runner if not order.context_logits else None  # graphs keep no prompt logits
+    # Graphs keep no prompt logits, and hold no adapters (their steps run eagerly).
+    runner = target.graph_runner if not order.context_logits and not order.loras else None
     if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
         return StepInput(None, None, runner.stage_plan(plan), *extras, None, order.generation_logits,
                          plan.num_sampled)
@@ -138,14 +144,17 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     if order.context_logits:
         flat = [row_starts[row] + offset + j for row, offset, count in order.context_logits for j in range(count)]
         context_indices = to_device(torch.tensor(flat, dtype=torch.int64), target.device)
+    lora = None
+    if order.loras:
+        lora = target.lora_cache.batch(order.loras, [len(tokens) for tokens in plan.tokens])
     reduction = order.prompt_log_probs
     if reduction is None or context_indices is None:
         return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
-                         order.generation_logits, plan.num_sampled)
+                         order.generation_logits, plan.num_sampled, lora=lora)
     targets = to_device(torch.tensor(reduction.targets, dtype=torch.int64), target.device)
     return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
                      order.generation_logits, plan.num_sampled, targets, reduction.num_top,
-                     reduction.keep_logits)
+                     reduction.keep_logits, lora)
 
 
 def _flatten(row_tokens: Iterable[list[int]]

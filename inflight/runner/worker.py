@@ -34,9 +34,11 @@ from typing import Mapping
 
 import torch
 
+from ensemble.errors import ConfigError
 from inflight.api.config import ExecutorConfig
 from inflight.distributed.group import TensorParallel, rank_device
 from inflight.fatal_errors import EngineFatalError
+from inflight.lora.batch import LoraDeviceCache
 from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import shard_config
@@ -114,6 +116,10 @@ class Worker:
                                              mc.head_dim, config.max_batch_size, self.max_seq_len,
                                              self.device, perf.multi_block_mode))
         self.sampler = Sampler()
+        peft = config.peft_cache_config
+        if peft is not None and self.tp.is_parallel:
+            raise ConfigError("LoRA with tensor_parallel_size > 1 is not built yet")
+        self.lora_cache = None if peft is None else LoraDeviceCache(peft.max_loras, self.dtype, self.device)
         # Every step's sampled ids, for the next step's tokens that are still on the device.
         self.sampled_ids = torch.zeros(config.max_batch_size, dtype=torch.int64, device=self.device)
         self.graph_runner: CudaGraphRunner | None = None
@@ -184,7 +190,7 @@ class Worker:
         if meta.pending_dst is not None:
             input_ids = input_ids.index_copy(0, meta.pending_dst,
                                              self.sampled_ids.index_select(0, meta.pending_src))
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata)  # [T, hidden]
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, step.attn_metadata, step.lora)  # [T, hidden]
         prompt = None
         if step.context_indices is not None:
             prompt = self._prompt_outputs(hidden, step)

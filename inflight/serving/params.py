@@ -16,6 +16,7 @@ from inflight.api.config import (
     GuidedDecodingConfig,
     KvCacheConfig,
     ParallelConfig,
+    PeftCacheConfig,
     SchedulerConfig,
 )
 
@@ -132,6 +133,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
             **_knob_fields(ExtendedRuntimePerfKnobConfig, params)),
         parallel_config=parallel_config(params),
         guided_decoding_config=guided_decoding_config(params),
+        peft_cache_config=peft_cache_config(params),
         **_knob_fields(ExecutorConfig, params),
     )
 
@@ -155,13 +157,30 @@ def guided_decoding_config(params: dict[str, str]) -> GuidedDecodingConfig | Non
     return grammar.guided_decoding_config_from_info(info_path)
 
 
+LORA_KEYS = ("max_loras", "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+             "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir")
+
+
+def peft_cache_config(params: dict[str, str]) -> PeftCacheConfig | None:
+    """LoRA is on when any of NVIDIA's `lora_cache_*` keys, `lora_prefetch_dir` or our
+    `max_loras` is set (NVIDIA's engines have it when built with the LoRA plugin)."""
+    if not any(key in params for key in LORA_KEYS):
+        return None
+    return PeftCacheConfig(
+        max_loras=get_int(params, "max_loras", PeftCacheConfig.max_loras),
+        max_adapter_size=get_int(params, "lora_cache_max_adapter_size", PeftCacheConfig.max_adapter_size),
+        optimal_adapter_size=get_int(params, "lora_cache_optimal_adapter_size",
+                                     PeftCacheConfig.optimal_adapter_size),
+        host_cache_size=get_int(params, "lora_cache_host_memory_bytes", PeftCacheConfig.host_cache_size),
+        device_cache_percent=get_float(params, "lora_cache_gpu_memory_fraction", None),
+        lora_prefetch_dir=params.get("lora_prefetch_dir") or None)
+
+
 # NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them
 # so NVIDIA's fill_template commands work, and a value set for one has no effect.
 IGNORED_KEYS = ("encoder_model_path", "max_attention_window_size", "sink_token_length",
                 "cross_kv_cache_fraction", "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
                 "enable_trt_overlap", "request_stats_max_iterations", "participant_ids",
-                "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
-                "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes", "lora_prefetch_dir",
                 "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
                 "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
                 "speculative_decoding_fast_logits")

@@ -32,6 +32,7 @@ from inflight.api.stats import InflightBatchingStats, IterationStats, KvCacheSta
 from inflight.api.types import (
     FinishReason,
     GuidedDecodingParams,
+    LoraConfig,
     OutputConfig,
     Request,
     RequestPerfMetrics,
@@ -60,10 +61,6 @@ def request_to_wire(request: Request) -> dict:
     stopping_criteria) are Python callables and never travel."""
     if request.logits_processor is not None or request.stopping_criteria is not None:
         raise ValueError("logits_processor and stopping_criteria cannot cross a process boundary")
-    # The builtin engine has no LoRA yet; the serving layer refuses it before this point
-    # (inflight.api.features). Fail loudly rather than drop it if that ever changes.
-    if request.lora_config is not None:
-        raise ValueError("lora_config does not cross the process boundary yet")
     guided = request.guided_decoding_params
     bias = request.embedding_bias
     return {
@@ -79,7 +76,33 @@ def request_to_wire(request: Request) -> dict:
         "embedding_bias": None if bias is None else np.asarray(bias, dtype=np.float32).tobytes(),
         "guided": None if guided is None else [guided.guide_type, guided.guide],
         "client_id": request.client_id,
+        "lora": _lora_to_wire(request.lora_config),
     }
+
+
+def _lora_to_wire(lora: LoraConfig | None) -> list | None:
+    """[task id, weights as [shape, dtype, bytes] or None, config likewise]: the weights keep
+    their dtype (fp16 from NVIDIA's clients), so an adapter crosses at its own size."""
+    if lora is None:
+        return None
+
+    def array(value):
+        if value is None:
+            return None
+        value = np.ascontiguousarray(value)
+        return [list(value.shape), value.dtype.str, value.tobytes()]
+
+    return [lora.task_id, array(lora.weights), array(lora.config)]
+
+
+def _lora_from_wire(data: list | None) -> LoraConfig | None:
+    if data is None:
+        return None
+
+    def array(value):
+        return None if value is None else np.frombuffer(value[2], dtype=np.dtype(value[1])).reshape(value[0])
+
+    return LoraConfig(data[0], array(data[1]), array(data[2]))
 
 
 def request_from_wire(data: dict) -> Request:
@@ -98,6 +121,7 @@ def request_from_wire(data: dict) -> Request:
         embedding_bias=None if bias is None else np.frombuffer(bias, dtype=np.float32),
         guided_decoding_params=None if guided is None else GuidedDecodingParams(*guided),
         client_id=data["client_id"],
+        lora_config=_lora_from_wire(data.get("lora")),
     )
 
 

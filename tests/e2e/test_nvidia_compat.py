@@ -134,7 +134,7 @@ def test_batch_inputs_answer_each_row_with_its_batch_index(server):
 
 REFUSALS = [
     ({"beam_width": np.array([[8]], np.int32)}, "beam_width 8 exceeds max_beam_width (4)"),
-    ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA is not supported yet"),
+    ({"lora_task_id": np.array([[1]], np.uint64)}, "LoRA (lora_task_id) is off in this model"),
     ({"decoder_text_input": np.array([["x"]], dtype=object)}, "this model is decoder-only"),
     ({"top_p": np.array([[1.5]], np.float32)}, "runtime_top_p (the ensemble's top_p) must be in (0, 1], got 1.5"),
     ({"temperature": np.array([[np.nan]], np.float32)}, "temperature must be a finite number, got nan"),

@@ -77,7 +77,7 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
      "guided_decoding_guide needs a guided_decoding_guide_type"),
     ({"guided_decoding_guide_type": np.array([[b"yaml"]], dtype=object)}, True,
      "guided_decoding_guide_type must be one of json, json_schema, regex, ebnf_grammar, got yaml"),
-    ({"lora_task_id": np.array([[3]], dtype=np.uint64)}, True, "LoRA is not supported yet by this engine"),
+    ({"lora_task_id": np.array([[3]], dtype=np.uint64)}, True, "LoRA (lora_task_id) is off in this model"),
     ({"lora_weights": np.zeros((1, 2, 4), dtype=np.float16)}, True, "need a lora_task_id"),
     ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, True,
      "input 'prompt_embedding_table': prompt tuning (p-tuning) is not supported by this engine"),

@@ -14,6 +14,8 @@ OPENAI_PORT ?= 9000
 HOST ?= 127.0.0.1
 # Extra tools/build_repository.py flags, e.g. BUILD_ARGS="--batch_scheduler_policy max_utilization"
 BUILD_ARGS ?=
+# HF PEFT LoRA adapters served by name, e.g. LORA_MODULES="sql=/path/to/peft_dir chat=/path/to/other"
+LORA_MODULES ?=
 # Extra tools/launch_triton_server.py flags, e.g. SERVE_ARGS="--exit_timeout 60"
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
@@ -39,7 +41,8 @@ ifeq ($(MODEL),$(DEFAULT_MODEL))
 endif
 
 repository: model
-	$(PY) tools/build_repository.py --model $(MODEL) --out $(REPO) --force $(BUILD_ARGS)
+	$(PY) tools/build_repository.py --model $(MODEL) --out $(REPO) --force \
+		$(if $(LORA_MODULES),--lora_modules "$(LORA_MODULES)") $(BUILD_ARGS)
 
 # Triton and the OpenAI-compatible frontend together; one Ctrl-C stops both.
 serve: repository

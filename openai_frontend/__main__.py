@@ -100,6 +100,17 @@ def context_length(info: ModelInfo, tokenizer) -> int:
     return min(limits) if limits else FALLBACK_CONTEXT_LENGTH
 
 
+def lora_adapters(prefetch_dir: str | None) -> dict[str, int]:
+    """The LoRA adapters served by name: `lora_modules.json` ({name: task id}) in the engine's
+    `lora_prefetch_dir`, as tools/build_repository.py --lora_modules writes it."""
+    path = Path(prefetch_dir) / "lora_modules.json" if prefetch_dir else None
+    if path is None or not path.is_file():
+        return {}
+    names = json.loads(path.read_text())
+    logger.info("LoRA adapters: %s", ", ".join(f"{n} (task {t})" for n, t in names.items()))
+    return {str(name): int(task_id) for name, task_id in names.items()}
+
+
 async def build(args) -> tuple[TritonClient, ServedModel]:
     from preprocessing.loader import load_tokenizer
 
@@ -123,7 +134,7 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
                 "none (tool_choice auto is refused; required and named functions are served)")
     served = ServedModel(name=name, renderer=renderer,
                          limits=Limits(context, info.max_output_len, prompt, vocab_size=len(tokenizer)),
-                         created=int(time.time()))
+                         created=int(time.time()), adapters=lora_adapters(info.lora_prefetch_dir))
     return client, served
 
 

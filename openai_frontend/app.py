@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI's routes over one Triton model.
 
-    GET  /v1/models, /v1/models/{id}     the served model
+    GET  /v1/models, /v1/models/{id}     the served model and its LoRA adapters
     POST /v1/completions                 prompt → text
     POST /v1/chat/completions            messages → assistant message (the model's chat template)
     GET  /health/live, /health/ready     this process; Triton and the model
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -26,8 +26,7 @@ from openai_frontend.chat import ChatRenderer
 from openai_frontend.fast_path import FastPath
 from openai_frontend.generation import collect, merge, run_choice
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from openai_frontend.responses import (ChatStream, CompletionStream, Context, chat_completion,
-                                       completion)
+from openai_frontend.responses import ChatStream, CompletionStream, Context, chat_completion, completion
 from openai_frontend.sampling import Limits, Plan, chat_plan, completion_plan
 from openai_frontend.sse import ClientGone, event_stream, until_disconnect
 from openai_frontend.triton_client import TritonClient
@@ -35,20 +34,33 @@ from openai_frontend.triton_client import TritonClient
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The one model this frontend serves, under `name`, through Triton model `triton_model`."""
+    """The one model this frontend serves, under `name`, and the LoRA adapters on it, each by
+    its own name (`adapters`: name -> the engine's task id, vLLM's `--lora-modules`)."""
 
     name: str
     renderer: ChatRenderer
     limits: Limits
     created: int
     owned_by: str = "triton-inflight-llm"
+    adapters: dict[str, int] = field(default_factory=dict)
 
-    def card(self) -> ModelCard:
-        return ModelCard(id=self.name, created=self.created, owned_by=self.owned_by)
+    def cards(self) -> list[ModelCard]:
+        base = ModelCard(id=self.name, created=self.created, owned_by=self.owned_by)
+        return [base] + [ModelCard(id=name, created=self.created, owned_by=self.owned_by, root=self.name,
+                                   parent=self.name) for name in self.adapters]
 
-    def check(self, requested: str) -> None:
-        if requested != self.name:
-            raise errors.model_not_found(requested)
+    def check(self, requested: str) -> int | None:
+        """The LoRA task id `requested` names (None: the base model); 404 for an unknown name."""
+        if requested == self.name:
+            return None
+        if requested in self.adapters:
+            return self.adapters[requested]
+        raise errors.model_not_found(requested)
+
+    def with_adapter(self, plan: Plan, task_id: int | None) -> Plan:
+        if task_id is None:
+            return plan
+        return replace(plan, requests=[replace(r, lora_task_id=task_id) for r in plan.requests])
 
 
 def _json(model, status: int = 200) -> Response:
@@ -79,25 +91,26 @@ def create_app(client: TritonClient, served: ServedModel,
 
     @app.get("/v1/models")
     async def list_models():
-        return _json(ModelList(data=[served.card()]))
+        return _json(ModelList(data=served.cards()))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         served.check(model_id)
-        return _json(served.card())
+        return _json(next(card for card in served.cards() if card.id == model_id))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        served.check(body.model)
+        task_id = served.check(body.model)
         plan = completion_plan(body, served.limits, served.renderer.decode, served.renderer.encode_text)
+        plan = served.with_adapter(plan, task_id)
         ctx = Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan,
                       served.renderer.token_text)
         return await generate(request, plan, ctx, CompletionStream, completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        served.check(body.model)
-        plan = chat_plan(body, served.renderer, served.limits)
+        task_id = served.check(body.model)
+        plan = served.with_adapter(chat_plan(body, served.renderer, served.limits), task_id)
         ctx = Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, plan,
                       served.renderer.token_text)
         return await generate(request, plan, ctx, ChatStream, chat_completion)

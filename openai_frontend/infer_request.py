@@ -43,6 +43,7 @@ class EngineRequest:
     guide_type: str | None = None  # guided_decoding_guide_type (json, json_schema, ...)
     guide: str | None = None  # guided_decoding_guide
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias): embedding_bias_ids/_weights
+    lora_task_id: int | None = None  # a LoRA adapter the engine has cached (served by name)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class EngineChunk:
 _ALWAYS = {"stream": True, "exclude_input_in_output": True,
            "return_num_input_tokens": True, "return_num_output_tokens": True}
 _OPTIONAL = ("add_special_tokens", "temperature", "top_p", "top_k", "frequency_penalty",
-             "presence_penalty", "repetition_penalty", "min_tokens", "seed")
+             "presence_penalty", "repetition_penalty", "min_tokens", "seed", "lora_task_id")
 _SHAPE = (1, 1)  # every ensemble input is one element of a batch of one
 _Input = tuple[service_pb2.ModelInferRequest.InferInputTensor, bytes]  # (description, raw contents)
 

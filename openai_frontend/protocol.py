@@ -201,6 +201,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str | None = None  # a LoRA adapter's: the base model's id (vLLM's fields)
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -48,6 +48,7 @@ class ModelInfo:
     engine_dir: str | None
     max_input_len: int | None = None  # prompt tokens (preprocessing's parameter), if set
     max_input_bytes: int | None = None  # the prompt's bytes (preprocessing's parameter), if set
+    lora_prefetch_dir: str | None = None  # tensorrt_llm's; its lora_modules.json names adapters
 
 
 _UNAVAILABLE = re.compile(r"unknown model|not ready|not healthy|engine has stopped|engine stopped|"
@@ -174,7 +175,8 @@ class TritonClient:
                          max_output_len=get_int(params, "max_output_len", None),
                          engine_dir=params.get("gpt_model_path"),
                          max_input_len=get_int(params, "max_input_len", None),
-                         max_input_bytes=get_int(params, "max_input_bytes", None))
+                         max_input_bytes=get_int(params, "max_input_bytes", None),
+                         lora_prefetch_dir=params.get("lora_prefetch_dir"))
 
     async def generate(self, request: EngineRequest, request_id: str = "") -> AsyncIterator[EngineChunk]:
         """Stream one generation. Closing this generator early cancels the Triton request.

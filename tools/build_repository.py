@@ -6,11 +6,17 @@ Copies the five models, fills every `config.pbtxt` template from one consistent 
 (the defaults below, overridden by `--<key> value` or `--set k1:v1,k2:v2` in fill_template's
 syntax), refuses to write a config that still holds a placeholder (and names it), and checks
 each result against `ensemble.io_contract` by parsing it as Triton's ModelConfig protobuf.
+
+`--lora_modules "name=PEFT_DIR name2=PEFT_DIR2"` serves HF PEFT adapters by name: each is
+checked against the model and converted into `tensorrt_llm/1/lora/<task id>/` (task ids 1, 2,
+... in the order given; NVIDIA's prefetch layout), which becomes `lora_prefetch_dir`, and
+`lora_modules.json` there maps each name to its task id for the OpenAI frontend.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -129,6 +135,8 @@ DEFAULTS = {
     "tensorrt_llm_model_name": "tensorrt_llm",
     "tensorrt_llm_draft_model_name": "",
     "multimodal_encoders_name": "",
+    # Ours: HF PEFT adapters served by name, "name=PEFT_DIR ..." (see the module docstring).
+    "lora_modules": "",
 }
 
 # The engine computes logits in fp32 and returns them so; the other two feed inputs that the
@@ -182,6 +190,9 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
             raise BuildError(f"{out} exists and is not empty; pass --force to replace it")
         shutil.rmtree(out)
     shutil.copytree(TEMPLATE_DIR, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if values.get("lora_modules"):
+        values = dict(values, lora_prefetch_dir=str(add_lora_modules(out, values["lora_modules"],
+                                                                        Path(values["engine_dir"]))))
     for model in MODELS:
         path = out / model / "config.pbtxt"
         text = fill(path.read_text(), values, strict=False)
@@ -192,6 +203,32 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
         check_config(text, model, path, values)
         path.write_text(text)
     return out
+
+
+LORA_DIR = Path("tensorrt_llm", "1", "lora")
+LORA_NAMES_FILE = "lora_modules.json"  # {name: task id}, read by openai_frontend
+
+
+def add_lora_modules(out: Path, spec: str, model_dir: Path) -> Path:
+    """Converts each `name=PEFT_DIR` of `spec` into `out/LORA_DIR/<task id>/`; returns that folder."""
+    from ensemble.errors import InputError
+    from tools.lora_convert import convert
+
+    names: dict[str, int] = {}
+    folder = (out / LORA_DIR).resolve()
+    for task_id, item in enumerate(spec.split(), start=1):
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise BuildError(f"--lora_modules takes name=PEFT_DIR items, got '{item}'")
+        if name in names:
+            raise BuildError(f"--lora_modules names '{name}' twice")
+        try:  # float32: the server casts to its own dtype, so the adapter is rounded once
+            convert(Path(path), folder / str(task_id), "float32", model_dir)
+        except (OSError, InputError) as exc:
+            raise BuildError(f"LoRA module '{name}' ({path}): {exc}") from None
+        names[name] = task_id
+    (folder / LORA_NAMES_FILE).write_text(json.dumps(names, indent=1) + "\n")
+    return folder
 
 
 def parse_args(argv=None):

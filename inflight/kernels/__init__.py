@@ -15,6 +15,8 @@ One module per kernel family, each documenting the tensor layout it expects:
     activation         silu_and_mul(gate_up, out=None), silu_and_mul_fp8(gate_up, static_scale=None)
     fp8                quantize_fp8(x, static_scale=None), scale_output(acc, scale_a, scale_b, bias,
                        out_dtype): FP8 activations in one launch, scales after a unit-scale GEMM
+    lora               lora_shrink(x, a, sorted_tokens, slot_starts, max_tokens_per_slot, out=None),
+                       lora_expand(s, b, col_starts, sorted_tokens, slot_starts, max_tokens_per_slot, y)
     reference          plain-torch references and tolerances (no triton needed)
 
 Every wrapper is free of host synchronisation, and takes `out=` (or works in place) where a
@@ -45,6 +47,8 @@ _EXPORTS = {
     "silu_and_mul_fp8": "activation",
     "quantize_fp8": "fp8",
     "scale_output": "fp8",
+    "lora_shrink": "lora",
+    "lora_expand": "lora",
 }
 
 __all__ = sorted(_EXPORTS) + ["triton_available"]

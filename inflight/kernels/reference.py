@@ -187,3 +187,55 @@ def int4_matmul_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
         bound = bound + UNIT_ROUNDOFF[x.dtype] * magnitude
     bound = bound + UNIT_ROUNDOFF[out_dtype] * (exact.abs() + bound)
     return exact, bound
+
+
+def _lora_segments_ref(sorted_tokens: torch.Tensor, slot_starts: torch.Tensor):
+    """(slot, its token indices as int64) for every non-empty segment."""
+    starts = slot_starts.tolist()
+    for slot in range(len(starts) - 1):
+        if starts[slot + 1] > starts[slot]:
+            yield slot, sorted_tokens[starts[slot]:starts[slot + 1]].long()
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, P R] fp32 (zeros when allocated here) <- for each slot's tokens x @ a[slot, p]^T
+    (a [S, P, R, K]) part after part, computed in fp64 and rounded once to fp32."""
+    num_slots, parts, rank, k = a.shape
+    if out is None:
+        out = torch.zeros((x.shape[0], parts * rank), dtype=torch.float32, device=x.device)
+    for slot, tokens in _lora_segments_ref(sorted_tokens, slot_starts):
+        out[tokens] = (x[tokens].double() @ a[slot].reshape(parts * rank, k).double().t()).float()
+    return out
+
+
+def lora_expand_ref(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,
+                    slot_starts: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y [T, N] += for each slot's tokens and part p: s[:, p R:(p + 1) R] @ b[slot, cols of p]^T
+    (s [T, P R], b [S, N, R]), the sum with y computed in fp64 and rounded once to y's dtype. In
+    place; returns y."""
+    rank = b.shape[2]
+    for slot, tokens in _lora_segments_ref(sorted_tokens, slot_starts):
+        total = y[tokens].double()
+        for p, (lo, hi) in enumerate(zip(col_starts, col_starts[1:])):
+            total[:, lo:hi] += s[tokens, p * rank:(p + 1) * rank].double() @ b[slot, lo:hi].double().t()
+        y[tokens] = total.to(y.dtype)
+    return y
+
+
+def rounded_sum_bound(reference: torch.Tensor, magnitude: torch.Tensor, terms: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Bound (fp64) on |kernel - reference| per element, where `reference` is an exact sum of
+    `terms` products rounded once to `dtype` (the LoRA references), `magnitude` the same sum of
+    the products' absolute values (e.g. the reference run on |inputs|, also rounded to `dtype`),
+    and the kernel sums in fp32 in any order, then rounds once to `dtype`. As `int4_matmul_bound`:
+
+    - fp32 accumulation: at most 2 terms + 32 roundings (products of fp32 operands, the sums),
+      each one ulp (2^-23: tensor cores truncate), of at most the magnitude: A;
+    - the kernel's rounding, u (|exact| + A), and the reference's, u |exact|;
+    |exact| <= |reference| (1 + 2u) and the true magnitude <= magnitude (1 + 2u), u = u(dtype).
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    exact = reference.double().abs() * (1 + 2 * u)
+    accumulation = (2 * terms + 32) * 2.0 ** -23 * magnitude.double().abs() * (1 + 2 * u)
+    return accumulation + u * (2 * exact + accumulation)

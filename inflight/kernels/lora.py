@@ -1,0 +1,244 @@
+"""Batched multi-LoRA (punica-style shrink/expand): every token of a step with its own adapter (or
+none), the adapters held in stacked device buffers ("slots"), in two fixed-grid launches per
+projection, so a decode or mixed step can replay them from a CUDA graph.
+
+Layouts. T tokens of the step's flattened batch; S slots; P parts of a packed projection (q/k/v
+P = 3, gate/up P = 2, o or down P = 1); R the slots' padded rank (a power of two >= 16: an adapter
+of lower rank has zeros beyond it); K the input width; N the total output width, part p covering
+columns [col_starts[p], col_starts[p + 1]):
+    a              [S, P, R, K]  model dtype  row r of part p of slot s's A
+    b              [S, N, R]     model dtype  slot s's B (scale folded in), rows = output columns
+    sorted_tokens  [M] int32     token indices grouped by slot (M >= adapted tokens; the tail
+                                 past the last segment is never read); no token twice
+    slot_starts    [S + 1] int32 slot s's tokens: sorted_tokens[slot_starts[s]:slot_starts[s + 1]]
+Base-model tokens are in no segment. `max_tokens_per_slot` (a Python int, an upper bound on every
+segment's length) sizes the grids: a graph captured with a bound serves any step within it, the
+programs whose token tile starts past their segment returning at once. A longer segment is not
+detected (that would need a host sync): its tokens past the bound are silently skipped.
+
+    lora_shrink   s [T, P R] fp32:  s[t, p R + r] = x[t] . a[slot(t), p, r]
+    lora_expand   y [T, N] += per part p: s[t, p R : (p + 1) R] @ b[slot(t), cols of p]^T
+
+Shrink: grid (S, token tiles, P); a program gathers its tile's BLOCK_M rows of x through
+sorted_tokens (rows past the segment read token 0's row, discarded at the store) and walks K in
+BLOCK_K tiles with tl.dot into an fp32 [BLOCK_M, R] accumulator; rows of tokens in no segment are
+not written. Expand: grid (S, token tiles, N / BLOCK_N); BLOCK_N divides every part's width, so a
+column tile lies in one part (a scalar). The dot is fp32 x fp32 ("ieee": s keeps its 24 bits, b
+is widened exactly), added to y in fp32 and rounded once to y's dtype. Each y element has one
+writer, since a token is in at most one segment.
+
+Cost (Llama-3.1-8B, R = 16, bf16): A of a q/k/v slot is 3 x 16 x 4096 x 2 B = 384 KiB, B 192 KiB,
+so a decode step reads ~0.6 MiB per adapter in use and module, small next to the base weights,
+but the shrink's grid is S x P programs at decode: few programs walking long K loops (split-K
+would be the lever if the H100 bench shows shrink latency-bound).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.intmath import cdiv
+from inflight.kernels._common import check_float, check_last_dim_contiguous, dot_precision, tl, triton
+
+# Launch configuration: first guesses, to be tuned on the H100 (bench/bench_lora_kernels.py).
+BLOCK_M = 16  # tokens per tile: tl.dot's minimum (a decode segment has few tokens)
+SHRINK_BLOCK_K = 128  # 16-bit x and A: [16, 128] + [16, 128] tiles per K step (8 KiB)
+SHRINK_BLOCK_K_FP32 = 64  # fp32 tests and parity runs: FMA-based dot, half the tile
+SHRINK_NUM_STAGES = 3  # the K loop's software pipeline
+# Expand's column tile: the largest power of two dividing every part's width, at most 128 and
+# at most EXPAND_TILE_ELEMENTS / R (b's [R, BLOCK_N] tile feeds an fp32 FMA dot: past that,
+# ptxas -v for sm_90 shows spills, e.g. R = 128 at 128 columns); fp32 y holds half as many.
+EXPAND_MAX_BLOCK_N = 128
+EXPAND_TILE_ELEMENTS = 8192
+EXPAND_TILE_ELEMENTS_FP32 = 4096
+NUM_WARPS = 4
+MAX_PARTS = 4  # part boundaries passed as scalars C1..C3 (q/k/v needs 3 parts)
+MIN_RANK = 16  # tl.dot's minimum K (expand) and N (shrink)
+
+
+# --- device code ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, stride_xm, stride_as, stride_ap,
+                   stride_ar, stride_om, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    part = tl.program_id(2)
+    end = tl.load(starts_ptr + slot + 1)
+    first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
+    if first >= end:  # past the segment (the grid is sized by the bound): nothing to do
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    tokens = tl.load(sorted_ptr + rows, mask=row_mask, other=0)  # rows past the end: token 0
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    a_ptrs = a_ptr + slot * stride_as + part * stride_ap + offs_r[:, None] * stride_ar + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            a = tl.load(a_ptrs)
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    out_ptrs = out_ptr + tokens[:, None] * stride_om + part * R + offs_r[None, :]
+    tl.store(out_ptrs, acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stride_sm, stride_bs, stride_bn,
+                   stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    slot = tl.program_id(0)
+    end = tl.load(starts_ptr + slot + 1)
+    first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    tokens = tl.load(sorted_ptr + rows, mask=row_mask, other=0)
+    n0 = tl.program_id(2) * BLOCK_N
+    part = (n0 >= C1).to(tl.int32) + (n0 >= C2).to(tl.int32) + (n0 >= C3).to(tl.int32)
+    offs_r = tl.arange(0, R)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    s = tl.load(s_ptr + tokens[:, None] * stride_sm + part * R + offs_r[None, :])  # fp32 [BLOCK_M, R]
+    b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None])  # [R, BLOCK_N]
+    delta = tl.dot(s, b.to(tl.float32), input_precision="ieee")
+    y_ptrs = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
+    y = tl.load(y_ptrs, mask=row_mask[:, None], other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+
+def lora_segments(token_slots: list[int], num_slots: int) -> tuple[list[int], list[int], int]:
+    """Each token's slot (-1: base model) -> (sorted_tokens, slot_starts, longest segment), the
+    tokens of a slot in their order (stable). Pure Python: the step's host-side metadata."""
+    segments: list[list[int]] = [[] for _ in range(num_slots)]
+    for token, slot in enumerate(token_slots):
+        if slot == -1:
+            continue
+        if not 0 <= slot < num_slots:
+            raise ValueError(f"token {token}: slot {slot} is not -1 or in [0, {num_slots})")
+        segments[slot].append(token)
+    starts = [0]
+    for seg in segments:
+        starts.append(starts[-1] + len(seg))
+    return [t for seg in segments for t in seg], starts, max(map(len, segments), default=0)
+
+
+def _check_segments(sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, num_slots: int,
+                    max_tokens_per_slot: int, device: torch.device) -> None:
+    for name, t in (("sorted_tokens", sorted_tokens), ("slot_starts", slot_starts)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.stride(0) != 1 or t.device != device:
+            raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if slot_starts.shape[0] != num_slots + 1:
+        raise ValueError(f"slot_starts must be [{num_slots + 1}] (S + 1), got {tuple(slot_starts.shape)}")
+    if not isinstance(max_tokens_per_slot, int) or max_tokens_per_slot < 0:
+        raise ValueError(f"max_tokens_per_slot must be a non-negative Python int, got {max_tokens_per_slot!r}")
+
+
+def _check_rank(rank: int) -> None:
+    if rank < MIN_RANK or rank & (rank - 1):
+        raise ValueError(f"the padded rank R must be a power of two >= {MIN_RANK}, got {rank}")
+
+
+def _check_offsets(*extents: int) -> None:
+    if max(extents) >= 2 ** 31:
+        raise ValueError(f"tensor extents {extents} exceed the kernels' int32 offsets")
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
+                max_tokens_per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (rows may be strided) -> out [T, P R] fp32: each slot's tokens' x @ a[slot, p]^T
+    for every part p, accumulated in fp32. Rows of tokens in no segment are not written (an
+    allocated `out` leaves them uninitialised). No host sync; allocates only `out` if not given."""
+    check_float("x", x)
+    if x.dim() != 2 or a.dim() != 4:
+        raise ValueError(f"x must be [T, K] and a [S, P, R, K], got {tuple(x.shape)} and {tuple(a.shape)}")
+    num_tokens, k = x.shape
+    num_slots, parts, rank, a_k = a.shape
+    if a.dtype != x.dtype or a_k != k or a.device != x.device:
+        raise ValueError(f"a must be [S, P, R, {k}] {x.dtype} on {x.device}, got {tuple(a.shape)} "
+                         f"{a.dtype} on {a.device}")
+    if parts < 1 or k < 1:
+        raise ValueError(f"a must have P >= 1 parts and K >= 1, got {tuple(a.shape)}")
+    _check_rank(rank)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("a", a)
+    _check_segments(sorted_tokens, slot_starts, num_slots, max_tokens_per_slot, x.device)
+    if out is None:
+        out = torch.empty((num_tokens, parts * rank), dtype=torch.float32, device=x.device)
+    elif tuple(out.shape) != (num_tokens, parts * rank) or out.dtype != torch.float32 or out.device != x.device:
+        raise ValueError(f"out must be [{num_tokens}, {parts * rank}] float32 on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    check_last_dim_contiguous("out", out)
+    if min(num_tokens, num_slots, max_tokens_per_slot, sorted_tokens.shape[0]) == 0:
+        return out  # no token can be adapted
+    _check_offsets(num_tokens * x.stride(0), num_tokens * out.stride(0), num_slots * a.stride(0))
+    block_k = SHRINK_BLOCK_K_FP32 if x.dtype == torch.float32 else SHRINK_BLOCK_K
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), parts)
+    _shrink_kernel[grid](x, a, out, sorted_tokens, slot_starts, k, x.stride(0), a.stride(0), a.stride(1),
+                         a.stride(2), out.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
+                         EVEN_K=k % block_k == 0, PRECISION=dot_precision(x.dtype), num_warps=NUM_WARPS,
+                         num_stages=SHRINK_NUM_STAGES)
+    return out
+
+
+def expand_block_n(col_starts: tuple[int, ...], rank: int, dtype: torch.dtype) -> int:
+    """The largest power of two <= min(EXPAND_MAX_BLOCK_N, tile elements / rank) dividing every
+    part's width (so a column tile lies in one part); ValueError if below 16 (tl.dot's N)."""
+    elements = EXPAND_TILE_ELEMENTS_FP32 if dtype == torch.float32 else EXPAND_TILE_ELEMENTS
+    block_n = max(16, min(EXPAND_MAX_BLOCK_N, elements // rank))
+    while block_n >= 16 and any((hi - lo) % block_n for lo, hi in zip(col_starts, col_starts[1:])):
+        block_n //= 2
+    if block_n < 16:
+        widths = [hi - lo for lo, hi in zip(col_starts, col_starts[1:])]
+        raise ValueError(f"every part's width must be a multiple of 16, got {widths}")
+    return block_n
+
+
+def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,
+                slot_starts: torch.Tensor, max_tokens_per_slot: int, y: torch.Tensor) -> torch.Tensor:
+    """y [T, N] (model dtype, rows may be strided) += each slot's tokens' s [T, P R] (fp32, from
+    lora_shrink) times b[slot]^T part by part, summed in fp32 and rounded once into y. Rows of
+    tokens in no segment are untouched. In place, no host sync, no allocation. Returns y."""
+    check_float("y", y)
+    if s.dim() != 2 or b.dim() != 3 or y.dim() != 2:
+        raise ValueError(f"s must be [T, P R], b [S, N, R] and y [T, N], got {tuple(s.shape)}, "
+                         f"{tuple(b.shape)} and {tuple(y.shape)}")
+    num_slots, n, rank = b.shape
+    col_starts = tuple(col_starts)
+    parts = len(col_starts) - 1
+    if not 1 <= parts <= MAX_PARTS or col_starts[0] != 0 or col_starts[-1] != n or any(
+            not isinstance(c, int) or hi <= lo for c, lo, hi in zip(col_starts[1:], col_starts, col_starts[1:])):
+        raise ValueError(f"col_starts must be 2 to {MAX_PARTS + 1} increasing ints from 0 to N={n}, got {col_starts}")
+    _check_rank(rank)
+    if tuple(y.shape) != (s.shape[0], n) or b.dtype != y.dtype or b.device != y.device:
+        raise ValueError(f"y must be [T, {n}] with b's dtype and device ({b.dtype}, {b.device}), got "
+                         f"{tuple(y.shape)} {y.dtype} on {y.device}")
+    if tuple(s.shape) != (y.shape[0], parts * rank) or s.dtype != torch.float32 or s.device != y.device:
+        raise ValueError(f"s must be [{y.shape[0]}, {parts * rank}] float32 on {y.device}, got "
+                         f"{tuple(s.shape)} {s.dtype} on {s.device}")
+    for name, t in (("s", s), ("b", b), ("y", y)):
+        check_last_dim_contiguous(name, t)
+    _check_segments(sorted_tokens, slot_starts, num_slots, max_tokens_per_slot, y.device)
+    block_n = expand_block_n(col_starts, rank, y.dtype)
+    num_tokens = y.shape[0]
+    if min(num_tokens, num_slots, max_tokens_per_slot, sorted_tokens.shape[0]) == 0:
+        return y
+    _check_offsets(num_tokens * s.stride(0), num_tokens * y.stride(0), num_slots * b.stride(0))
+    bounds = col_starts[1:-1] + (n,) * (MAX_PARTS - parts)  # C1..C3; n: never reached by a tile
+    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), n // block_n)
+    _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, *bounds, s.stride(0), b.stride(0), b.stride(1),
+                         y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=NUM_WARPS)
+    return y

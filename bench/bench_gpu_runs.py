@@ -194,8 +194,9 @@ class EngineRun:
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int], deadline: float,
-               keep_outputs: bool = False) -> EngineRun:
-    """Submits every request at once (greedy, no end id) and steps until all are done.
+               keep_outputs: bool = False, loras: list | None = None) -> EngineRun:
+    """Submits every request at once (greedy, no end id) and steps until all are done;
+    `loras`: each request's `LoraConfig` (None: the base model).
 
     decode tok/s counts the tokens generated from the first step with no prefill in it to the
     end, over that window's wall time; e2e tok/s is all output tokens over the whole run.
@@ -203,8 +204,9 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
     device = engine.worker.device
     sync(device)
     start = time.perf_counter()
-    ids = [engine.add_request(Request(p, n, output_config=OutputConfig(exclude_input_from_output=True)))
-           for p, n in zip(prompts, out_lens)]
+    ids = [engine.add_request(Request(p, n, output_config=OutputConfig(exclude_input_from_output=True),
+                                      lora_config=loras[i] if loras else None))
+           for i, (p, n) in enumerate(zip(prompts, out_lens))]
     outputs: dict[int, list[int]] = {}
     window = None  # (time, tokens generated before it)
     step_times, concurrency, first_step = [], 0, None

@@ -35,6 +35,8 @@ would be the lever if the H100 bench shows shrink latency-bound).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from inflight.intmath import cdiv
@@ -77,7 +79,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, stride_xm, 
     x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     a_ptrs = a_ptr + slot * stride_as + part * stride_ap + offs_r[:, None] * stride_ar + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs)
             a = tl.load(a_ptrs)
@@ -199,10 +201,10 @@ def expand_block_n(col_starts: tuple[int, ...], rank: int, dtype: torch.dtype) -
     part's width (so a column tile lies in one part); ValueError if below 16 (tl.dot's N)."""
     elements = EXPAND_TILE_ELEMENTS_FP32 if dtype == torch.float32 else EXPAND_TILE_ELEMENTS
     block_n = max(16, min(EXPAND_MAX_BLOCK_N, elements // rank))
-    while block_n >= 16 and any((hi - lo) % block_n for lo, hi in zip(col_starts, col_starts[1:])):
+    while block_n >= 16 and any((hi - lo) % block_n for lo, hi in pairwise(col_starts)):
         block_n //= 2
     if block_n < 16:
-        widths = [hi - lo for lo, hi in zip(col_starts, col_starts[1:])]
+        widths = [hi - lo for lo, hi in pairwise(col_starts)]
         raise ValueError(f"every part's width must be a multiple of 16, got {widths}")
     return block_n
 

@@ -7,6 +7,8 @@ Semantics follow Hugging Face Llama and the project's `TorchPagedAttention`.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -201,7 +203,7 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, P R] fp32 (zeros when allocated here) <- for each slot's tokens x @ a[slot, p]^T
     (a [S, P, R, K]) part after part, computed in fp64 and rounded once to fp32."""
-    num_slots, parts, rank, k = a.shape
+    _, parts, rank, k = a.shape
     if out is None:
         out = torch.zeros((x.shape[0], parts * rank), dtype=torch.float32, device=x.device)
     for slot, tokens in _lora_segments_ref(sorted_tokens, slot_starts):
@@ -217,7 +219,7 @@ def lora_expand_ref(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...
     rank = b.shape[2]
     for slot, tokens in _lora_segments_ref(sorted_tokens, slot_starts):
         total = y[tokens].double()
-        for p, (lo, hi) in enumerate(zip(col_starts, col_starts[1:])):
+        for p, (lo, hi) in enumerate(pairwise(col_starts)):
             total[:, lo:hi] += s[tokens, p * rank:(p + 1) * rank].double() @ b[slot, lo:hi].double().t()
         y[tokens] = total.to(y.dtype)
     return y

@@ -26,12 +26,18 @@ buffers are allocated before the KV cache is sized. Steps longer than the larges
 bucket, steps that keep prompt logits, and (mixed graphs off) all but decode steps stay
 eager. A runner that has not captured (a CPU, in tests) runs the same bodies eagerly over
 the same static buffers.
+
+LoRA (`lora_slots`): each decode bucket also has a graph with the adapters' kernels in it,
+captured over two more static buffers (the step's tokens grouped by slot, and each slot's
+start, `inflight.lora.slots.Segments`, with the bucket's size as the kernels' grid bound). A
+decode step whose rows use adapters stages those too (`stage_lora`) and replays that graph;
+steps without adapters replay the plain one and pay nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +45,7 @@ import torch
 
 from inflight.intmath import cdiv
 from inflight.model.attention import DecodeBuffers
+from inflight.platform import to_device
 from inflight.runner.graph_inputs import Staging, StaticLayout
 from inflight.runner.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
 
@@ -52,6 +59,7 @@ class GraphStep:
     num_rows: int
     num_pending: int
     seq_lens: np.ndarray  # [num_rows] the real rows' context lengths (host copy)
+    lora: bool = False  # replay the bucket's LoRA graph (its segments are staged)
 
 
 class _Bucket:
@@ -67,6 +75,7 @@ class _Bucket:
                                      max_seq_len)
         self.attn_metadata = backend.graph_metadata(self.buffers)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.lora_graph: torch.cuda.CUDAGraph | None = None
 
     def pad_all(self) -> None:
         """Every row a padding row (for warm-up and capture: nothing is stored or read)."""
@@ -81,9 +90,10 @@ class CudaGraphRunner:
 
     def __init__(self, model, batch_sizes: Sequence[int], max_seq_len: int, block_size: int,
                  sampled_ids: torch.Tensor, device: torch.device,
-                 mixed_token_buckets: Sequence[int] = (), max_num_seqs: int = 0) -> None:
+                 mixed_token_buckets: Sequence[int] = (), max_num_seqs: int = 0, lora_slots=None) -> None:
         """`mixed_token_buckets`: the mixed steps' graphs (none: mixed steps stay eager), over
-        rows up to `max_num_seqs` (the engine's max batch; default the largest decode bucket)."""
+        rows up to `max_num_seqs` (the engine's max batch; default the largest decode bucket).
+        `lora_slots` (`inflight.lora.slots.LoraSlots`): also capture each bucket with adapters."""
         self.model = model
         self.backend = model.attention_backend
         self.block_size = block_size
@@ -112,6 +122,10 @@ class CudaGraphRunner:
         # Bucket for each row count 1..max: the smallest captured size that holds it.
         self._bucket_of = [0] + [next(b for b in self.batch_sizes if b >= n)
                                  for n in range(1, self.max_batch_size + 1)]
+        self.lora_slots = lora_slots
+        if lora_slots is not None:
+            self.lora_sorted = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
+            self.lora_starts = torch.zeros(lora_slots.num_slots + 1, dtype=torch.int32, device=device)
         self.kv_caches: list[torch.Tensor] | None = None
         self.pool = None
         # Bytes the pool grew by at capture: per mixed token bucket ("mixed T"), then "decode".
@@ -145,15 +159,28 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._forward(bucket)
             bucket.graph = graph
+            if self.lora_slots is not None:
+                self.lora_starts.zero_()  # no token in any segment: nothing stored, nothing read
+                self._forward(bucket, lora=True)
+                torch.cuda.synchronize()
+                bucket.lora_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bucket.lora_graph, pool=self.pool):
+                    self._forward(bucket, lora=True)
         self.pool_growth["decode"] = pool_bytes() - before
         logger.info("captured %d decode CUDA graphs (batch sizes %s); graph memory pool growth %.1f MiB",
                     len(self.batch_sizes), ", ".join(map(str, self.batch_sizes)),
                     self.pool_growth["decode"] / 2**20)
 
     @torch.inference_mode()
-    def _forward(self, bucket: _Bucket) -> None:
+    def _forward(self, bucket: _Bucket, lora: bool = False) -> None:
+        batch = None
+        if lora:
+            from inflight.lora.slots import Segments, SlotBatch
+
+            batch = SlotBatch(self.lora_slots, Segments(self.lora_sorted[:bucket.batch_size], self.lora_starts,
+                                                        bucket.batch_size))
         hidden = self.model(bucket.input_ids, bucket.positions, self.kv_caches,
-                            bucket.attn_metadata)  # [Bp, hidden]
+                            bucket.attn_metadata, batch)  # [Bp, hidden]
         self.model.compute_logits(hidden, out=self.logits[:bucket.batch_size])
 
     # ----- per step ------------------------------------------------------------------------
@@ -215,6 +242,16 @@ class CudaGraphRunner:
         staging.copy_to(self.arena, self.layout.step_nbytes(batch_size))
         return GraphStep(batch_size, num_rows, num_pending, seq_lens[:num_rows].copy())
 
+    def stage_lora(self, step: GraphStep, sorted_tokens: list[int], slot_starts: list[int]) -> GraphStep:
+        """Stages a decode step's adapter segments (`inflight.kernels.lora.lora_segments` of its
+        rows' slots) into the static buffers; returns the step marked to replay the LoRA graph."""
+        values = torch.tensor(sorted_tokens + slot_starts, dtype=torch.int32)
+        staged = to_device(values, self.lora_sorted.device)
+        n = len(sorted_tokens)
+        self.lora_sorted[:n].copy_(staged[:n], non_blocking=True)
+        self.lora_starts.copy_(staged[n:], non_blocking=True)
+        return replace(step, lora=True)
+
     def mixed_bucket_for(self, num_tokens: int, num_rows: int) -> int | None:
         """The token bucket of a mixed step (None: no mixed graphs, or too big)."""
         return None if self.mixed is None else self.mixed.bucket_for(num_tokens, num_rows)
@@ -234,8 +271,9 @@ class CudaGraphRunner:
             bucket.input_ids.index_copy_(0, bucket.pending_dst[:n],
                                          self.sampled_ids.index_select(0, bucket.pending_src[:n]))
         self.backend.prepare_replay(bucket.buffers, step.seq_lens)
-        if bucket.graph is not None:
-            bucket.graph.replay()
+        graph = bucket.lora_graph if step.lora else bucket.graph
+        if graph is not None:
+            graph.replay()
         else:
-            self._forward(bucket)
+            self._forward(bucket, step.lora)
         return self.logits[:step.num_rows]

@@ -118,7 +118,7 @@ class InputTarget(Protocol):
 
     graph_runner: CudaGraphRunner | None
     backend: Any  # an attention backend: `build_metadata(StepMetadata)`
-    lora_cache: Any  # `LoraDeviceCache` (None: LoRA off)
+    def lora_batch(self, row_loras, row_num_tokens) -> Any: ...  # the step's adapters for the model
     block_size: int
     device: torch.device
 
@@ -127,11 +127,16 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     """The step's inputs from its plan: a staged CUDA graph step, or the metadata."""
     plan, rows = order.plan, order.rows
     extras = (rows, order.hooks, order.request_ids)
-    # Graphs keep no prompt logits, and hold no adapters (their steps run eagerly).
-    runner = target.graph_runner if not order.context_logits and not order.loras else None
-    if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
-        return StepInput(None, None, runner.stage_plan(plan), *extras, None, order.generation_logits,
-                         plan.num_sampled)
+    runner = target.graph_runner if not order.context_logits else None  # graphs keep no prompt logits
+    lora_graphs = runner is not None and runner.lora_slots is not None
+    if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode() \
+            and (not order.loras or lora_graphs):
+        step = runner.stage_plan(plan)
+        if order.loras:
+            step = _stage_lora(runner, step, order.loras)
+        return StepInput(None, None, step, *extras, None, order.generation_logits, plan.num_sampled)
+    if order.loras:
+        runner = None  # mixed steps with adapters run eagerly
     if runner is not None and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None:
         graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled, plan.block_tables)))
         return StepInput(None, None, graph_step, *extras, None, order.generation_logits, plan.num_sampled)
@@ -144,9 +149,7 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     if order.context_logits:
         flat = [row_starts[row] + offset + j for row, offset, count in order.context_logits for j in range(count)]
         context_indices = to_device(torch.tensor(flat, dtype=torch.int64), target.device)
-    lora = None
-    if order.loras:
-        lora = target.lora_cache.batch(order.loras, [len(tokens) for tokens in plan.tokens])
+    lora = target.lora_batch(order.loras, [len(tokens) for tokens in plan.tokens]) if order.loras else None
     reduction = order.prompt_log_probs
     if reduction is None or context_indices is None:
         return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
@@ -155,6 +158,14 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
                      order.generation_logits, plan.num_sampled, targets, reduction.num_top,
                      reduction.keep_logits, lora)
+
+
+def _stage_lora(runner: CudaGraphRunner, step, row_loras) -> Any:
+    from inflight.kernels.lora import lora_segments
+
+    token_slots = runner.lora_slots.token_slots(row_loras, [1] * len(row_loras))
+    sorted_tokens, starts, _ = lora_segments(token_slots, runner.lora_slots.num_slots)
+    return runner.stage_lora(step, sorted_tokens, starts)
 
 
 def _flatten(row_tokens: Iterable[list[int]]

@@ -39,6 +39,7 @@ from inflight.api.config import ExecutorConfig
 from inflight.distributed.group import TensorParallel, rank_device
 from inflight.fatal_errors import EngineFatalError
 from inflight.lora.batch import LoraDeviceCache
+from inflight.lora.slots import LoraSlots, Segments, SlotBatch
 from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import shard_config
@@ -116,10 +117,7 @@ class Worker:
                                              mc.head_dim, config.max_batch_size, self.max_seq_len,
                                              self.device, perf.multi_block_mode))
         self.sampler = Sampler()
-        peft = config.peft_cache_config
-        if peft is not None and self.tp.is_parallel:
-            raise ConfigError("LoRA with tensor_parallel_size > 1 is not built yet")
-        self.lora_cache = None if peft is None else LoraDeviceCache(peft.max_loras, self.dtype, self.device)
+        self._build_lora(config)
         # Every step's sampled ids, for the next step's tokens that are still on the device.
         self.sampled_ids = torch.zeros(config.max_batch_size, dtype=torch.int64, device=self.device)
         self.graph_runner: CudaGraphRunner | None = None
@@ -127,7 +125,7 @@ class Worker:
             mixed = mixed_token_buckets(self.max_num_tokens) if perf.cuda_graph_mixed_steps else ()
             self.graph_runner = CudaGraphRunner(
                 self.model, perf.cuda_graph_batch_sizes(config.max_batch_size), self.max_seq_len,
-                self.block_size, self.sampled_ids, self.device, mixed, config.max_batch_size)
+                self.block_size, self.sampled_ids, self.device, mixed, config.max_batch_size, self.lora_slots)
         self.kv_caches: list[torch.Tensor] = []
         # Peak device memory of the largest step, weights included (0: not measured, on CPU).
         self.peak_step_bytes = self._profile_peak_memory(config) if self.device.type == "cuda" else 0
@@ -141,6 +139,37 @@ class Worker:
         logger.info("KV cache: %d blocks x %d tokens (%s, %s, attention backend %s, CUDA graphs %s, "
                     "overlap %s)", self.num_blocks, self.block_size, self.kv_dtype, self.device,
                     backend_name, self.graph_runner is not None, self.overlap)
+
+    def _build_lora(self, config: ExecutorConfig) -> None:
+        """LoRA's device side: slots for the Triton kernels (CUDA, packed projections), else
+        adapters kept per request for the torch path (`inflight.lora`)."""
+        peft = config.peft_cache_config
+        self.lora_slots = self.lora_cache = None
+        if peft is None:
+            return
+        if self.tp.is_parallel:
+            raise ConfigError("LoRA with tensor_parallel_size > 1 is not built yet")
+        if self.device.type == "cuda" and self.model.packed:
+            self.lora_slots = LoraSlots(self.shard_config, peft.max_loras, peft.max_adapter_size, self.dtype,
+                                        self.device)
+            logger.info("LoRA: %d slots of rank up to %d, %.0f MiB", peft.max_loras, self.lora_slots.rank,
+                        self.lora_slots.num_bytes / 2**20)
+        else:
+            self.lora_cache = LoraDeviceCache(peft.max_loras, self.dtype, self.device)
+
+    def lora_batch(self, row_loras, row_num_tokens):
+        """The model's view of a step's adapters (None: no row has one)."""
+        if not any(lora is not None for lora in row_loras):
+            return None
+        if self.lora_slots is None:
+            return self.lora_cache.batch(row_loras, row_num_tokens)
+        from inflight.kernels.lora import lora_segments
+
+        token_slots = self.lora_slots.token_slots(row_loras, row_num_tokens)
+        sorted_tokens, starts, longest = lora_segments(token_slots, self.lora_slots.num_slots)
+        staged = to_device(torch.tensor(sorted_tokens + starts, dtype=torch.int32), self.device)
+        segments = Segments(staged[:len(sorted_tokens)], staged[len(sorted_tokens):], max(longest, 1))
+        return SlotBatch(self.lora_slots, segments)
 
     def _capture_graphs(self, explicit: bool) -> None:
         try:

@@ -10,8 +10,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from inflight.lora.nvidia import to_nvidia
@@ -31,6 +29,11 @@ NOT_CACHED = "LoRA task 7 not found in cache. Please send LoRA weights with requ
 def adapters(smollm2_dir, tmp_path_factory):
     """Two PEFT adapters on SmolLM2 (random A and B, big enough to change the answer): "sql" of
     rank 8 on every projection, "chat" of rank 4 rsLoRA on q/v; name -> (folder, PEFT model)."""
+    # Imported here, not at collection: peft imports triton, which must not load before the
+    # kernel tier has chosen Triton's CPU interpreter (tests/kernels/conftest.py).
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     made = {}
     for name, seed, fields in [("sql", 1, {"r": 8, "lora_alpha": 32, "target_modules": "all-linear"}),
                                ("chat", 2, {"r": 4, "lora_alpha": 16, "use_rslora": True,

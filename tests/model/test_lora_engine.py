@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from inflight.api.config import KvCacheConfig, PeftCacheConfig
@@ -30,6 +28,11 @@ PEFT = PeftCacheConfig(max_loras=4, max_adapter_size=16)
 def adapters(tiny_dir, tmp_path_factory):
     """Two PEFT adapters (rank 4 on every projection; rank 8 rsLoRA on q, v and down), as
     PEFT models (the reference) and as NVIDIA rows (what requests send)."""
+    # Imported here, not at collection: peft imports triton, which must not load before the
+    # kernel tier has chosen Triton's CPU interpreter (tests/kernels/conftest.py).
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     made = {}
     for name, seed, fields in [("a", 1, {"r": 4, "lora_alpha": 8, "target_modules": ALL_MODULES}),
                                ("b", 2, {"r": 8, "lora_alpha": 4, "use_rslora": True,

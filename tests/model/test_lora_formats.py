@@ -16,7 +16,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from ensemble.errors import InputError
@@ -36,6 +35,8 @@ def make_adapter(folder, kind="llama3", seed=0, **lora_kwargs):
     init_lora_weights=False makes B random too (PEFT's default zeroes it: a delta of 0)."""
     model = tiny_hf_model(kind)
     torch.manual_seed(seed)
+    from peft import LoraConfig, get_peft_model  # here: peft imports triton (see conftest's interpreter)
+
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora_kwargs))
     peft_model.save_pretrained(folder)
     return peft_model, ModelConfig.from_hf_dict(model.config.to_dict())

@@ -1,0 +1,143 @@
+"""Adapters on the GPU for the Triton kernels: a fixed number of slots in stacked buffers, and
+the step's token → slot segments that the kernels read (eager, or from a CUDA graph's static
+buffers).
+
+Per layer and projection group (q/k/v, o, gate/up, down: what one packed projection computes),
+`a` [S, P, R, K] and `b` [S, N, R] in the model's dtype (`inflight.kernels.lora`'s layouts): S
+slots, P parts, R the rank bound (`max_adapter_size`, rounded up to a power of two ≥ 16), K
+the group's input width, N its packed output width. An adapter of rank r fills rows :r of its
+slot and leaves zeros beyond, so every adapter runs the same kernels. The buffers are allocated
+at start-up, before the KV cache is sized, so they are part of the measured peak.
+
+A step's rows map to slots; an adapter not in a slot is copied into a free one, or into the
+least recently used one that the step does not need. The scheduler keeps a step's adapters
+within `max_loras` = S.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inflight.lora.cache import CachedLora
+from inflight.model.config import ModelConfig
+
+# group -> its parts in output-column order, and the module whose input it reads
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+GROUP_OF = {part: group for group, parts in GROUPS.items() for part in parts}
+MIN_RANK_BOUND = 16  # tl.dot's smallest tile
+
+
+def rank_bound(max_adapter_size: int) -> int:
+    bound = MIN_RANK_BOUND
+    while bound < max_adapter_size:
+        bound *= 2
+    return bound
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The kernels' view of one step: tokens grouped by slot, on the device."""
+
+    sorted_tokens: torch.Tensor  # [M] int32
+    slot_starts: torch.Tensor  # [S + 1] int32
+    max_tokens_per_slot: int  # the grid's bound (a graph's bucket size, or the longest segment)
+
+
+class LoraSlots:
+    def __init__(self, config: ModelConfig, num_slots: int, max_adapter_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.rank = rank_bound(max_adapter_size)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        self.widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": hidden, "gate_proj": inter,
+                       "up_proj": inter, "down_proj": hidden}
+        inputs = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
+        self.col_starts = {group: _starts([self.widths[p] for p in parts]) for group, parts in GROUPS.items()}
+
+        def buffers(group):
+            parts = GROUPS[group]
+            return (torch.zeros(num_slots, len(parts), self.rank, inputs[group], dtype=dtype, device=device),
+                    torch.zeros(num_slots, self.col_starts[group][-1], self.rank, dtype=dtype, device=device))
+
+        self.layers = [{group: buffers(group) for group in GROUPS} for _ in range(config.num_hidden_layers)]
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # CachedLora.key -> slot, LRU first
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for pair in layer.values() for t in pair)
+
+    def token_slots(self, row_loras: Sequence[CachedLora | None], row_num_tokens: Sequence[int]) -> list[int]:
+        """Each token's slot (-1: the base model), adapters loaded where needed."""
+        needed = {lora.key for lora in row_loras if lora is not None}
+        if len(needed) > self.num_slots:
+            raise ValueError(f"a step uses {len(needed)} LoRA adapters; at most max_loras ({self.num_slots}) fit")
+        slot_of_row = []
+        for lora in row_loras:
+            slot_of_row.append(-1 if lora is None else self._slot(lora, needed))
+        return [slot for slot, count in zip(slot_of_row, row_num_tokens) for _ in range(count)]
+
+    def _slot(self, lora: CachedLora, needed: set[int]) -> int:
+        slot = self._slot_of.get(lora.key)
+        if slot is not None:
+            self._slot_of.move_to_end(lora.key)
+            return slot
+        used = set(self._slot_of.values())
+        free = [s for s in range(self.num_slots) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(key for key in self._slot_of if key not in needed)
+            slot = self._slot_of.pop(victim)
+        self._load(lora, slot)
+        self._slot_of[lora.key] = slot
+        return slot
+
+    def _load(self, lora: CachedLora, slot: int) -> None:
+        """Copies the adapter into `slot` (queued on the current stream: steps that read the
+        slot run after it), zeros where it has nothing."""
+        for layer in self.layers:
+            for a, b in layer.values():
+                a[slot].zero_()
+                b[slot].zero_()
+        for (index, module), (a, b) in lora.adapter.weights.items():
+            group = GROUP_OF[module]
+            stacked_a, stacked_b = self.layers[index][group]
+            part = GROUPS[group].index(module)
+            start = self.col_starts[group][part]
+            rank = a.shape[0]
+            stacked_a[slot, part, :rank].copy_(a, non_blocking=True)
+            stacked_b[slot, start:start + b.shape[0], :rank].copy_(b, non_blocking=True)
+
+
+def _starts(widths: list[int]) -> tuple[int, ...]:
+    starts = [0]
+    for width in widths:
+        starts.append(starts[-1] + width)
+    return tuple(starts)
+
+
+class SlotBatch:
+    """A step's adapters for the model's projections (`apply`, as `LoraBatch`), through the
+    Triton kernels over `slots` and `segments`."""
+
+    def __init__(self, slots: LoraSlots, segments: Segments) -> None:
+        self.slots = slots
+        self.segments = segments
+
+    def apply(self, layer: int, parts: Sequence[tuple[str, int]], x, y: torch.Tensor) -> None:
+        from inflight.kernels import lora_expand, lora_shrink
+
+        if not isinstance(x, torch.Tensor):  # an FP8 projection's QuantizedInput
+            x = (x.q.float() * x.scale).to(x.dtype)
+        group = GROUP_OF[parts[0][0]]
+        a, b = self.slots.layers[layer][group]
+        seg = self.segments
+        shrunk = lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot)
+        lora_expand(shrunk, b, self.slots.col_starts[group], seg.sorted_tokens, seg.slot_starts,
+                    seg.max_tokens_per_slot, y)

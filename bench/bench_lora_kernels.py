@@ -94,12 +94,12 @@ def bench(args, device: torch.device) -> None:
               for name, (k, widths) in GROUPS.items()}
     rows, totals = [], {t: [0.0, 0.0] for t in args.tokens}
     for name, group in groups.items():
-        k, n, parts = group["k"], group["col_starts"][-1], len(group["col_starts"]) - 1
+        k, n = group["k"], group["col_starts"][-1]
         for t in args.tokens:
             x = torch.randn((t, k), generator=gen, device=device).to(DTYPE)
             y = torch.zeros((t, n), dtype=DTYPE, device=device)
-            s = torch.empty((t, parts * args.rank), dtype=torch.float32, device=device)
             seg = segments(t, args.slots, device)
+            s = lora_shrink(x, group["a"], *seg)  # [splits, t, parts * rank]: the split the engine uses
             run_lora(group, x, y, s, seg)  # compile
             w, a, b, cols = group["w"], group["a"], group["b"], group["col_starts"]
             base = us(lambda x=x, w=w: x @ w.t())
@@ -137,16 +137,18 @@ def check(args, device: torch.device) -> bool:
         for t in args.tokens:
             sorted_tokens, slot_starts, bound = segments(t, args.slots, device)
             x = torch.randn((t, k), generator=gen, device=device).to(DTYPE)
-            s = lora_shrink(x, a, sorted_tokens, slot_starts, bound + 16)  # a bound above the longest
+            partials = lora_shrink(x, a, sorted_tokens, slot_starts, bound + 16)  # a bound above the longest
+            s = partials.sum(0)
             want = lora_shrink_ref(x, a, sorted_tokens, slot_starts)
             magnitude = lora_shrink_ref(x.abs(), a.abs(), sorted_tokens, slot_starts)
             worst_s = _worst(s, want, rounded_sum_bound(want, magnitude, k, torch.float32))
             y = torch.randn((t, col_starts[-1]), generator=gen, device=device).to(DTYPE)
             before = y.clone()
-            lora_expand(s, b, col_starts, sorted_tokens, slot_starts, bound + 16, y)
+            lora_expand(partials, b, col_starts, sorted_tokens, slot_starts, bound + 16, y)
             want = lora_expand_ref(s, b, col_starts, sorted_tokens, slot_starts, before.clone())
             magnitude = lora_expand_ref(s.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
-            worst_e = _worst(y, want, rounded_sum_bound(want, magnitude, args.rank + 1, DTYPE))
+            # + the split partials' additions
+            worst_e = _worst(y, want, rounded_sum_bound(want, magnitude, args.rank + partials.shape[0], DTYPE))
             good = worst_s <= 1 and worst_e <= 1
             ok &= good
             print(f"{'ok  ' if good else 'FAIL'} {name:<8} T={t:<5} worst error / bound: shrink {worst_s:.3g}, "

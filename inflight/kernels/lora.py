@@ -47,6 +47,10 @@ BLOCK_M = 16  # tokens per tile: tl.dot's minimum (a decode segment has few toke
 SHRINK_BLOCK_K = 128  # 16-bit x and A: [16, 128] + [16, 128] tiles per K step (8 KiB)
 SHRINK_BLOCK_K_FP32 = 64  # fp32 tests and parity runs: FMA-based dot, half the tile
 SHRINK_NUM_STAGES = 3  # the K loop's software pipeline
+# Split-K: a decode step has few token tiles, so each program would walk all of K alone (the
+# H100 bench: 17-50 us per shrink, latency-bound). Programs take this many columns of K each and
+# write partial sums ([split, T, P R]); expand adds them in split order (deterministic).
+SHRINK_K_PER_SPLIT = 512
 # Expand's column tile: the largest power of two dividing every part's width, at most 128 and
 # at most EXPAND_TILE_ELEMENTS / R (b's [R, BLOCK_N] tile feeds an fp32 FMA dot: past that,
 # ptxas -v for sm_90 shows spills, e.g. R = 128 at 128 columns); fp32 y holds half as many.
@@ -62,11 +66,12 @@ MIN_RANK = 16  # tl.dot's minimum K (expand) and N (shrink)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, stride_xm, stride_as, stride_ap,
-                   stride_ar, stride_om, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, K_SPLIT, stride_xm, stride_as, stride_ap,
+                   stride_ar, stride_ok, stride_om, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NUM_PARTS: tl.constexpr):
     slot = tl.program_id(0)
-    part = tl.program_id(2)
+    part = tl.program_id(2) % NUM_PARTS
+    split = tl.program_id(2) // NUM_PARTS  # this program's K_SPLIT columns of K (a multiple of BLOCK_K)
     end = tl.load(starts_ptr + slot + 1)
     first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
     if first >= end:  # past the segment (the grid is sized by the bound): nothing to do
@@ -76,27 +81,29 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, stride_xm, 
     tokens = tl.load(sorted_ptr + rows, mask=row_mask, other=0)  # rows past the end: token 0
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    a_ptrs = a_ptr + slot * stride_as + part * stride_ap + offs_r[:, None] * stride_ar + offs_k[None, :]
+    k_first = split * K_SPLIT
+    x_ptrs = x_ptr + tokens[:, None] * stride_xm + k_first + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    a_ptrs = a_ptr + slot * stride_as + part * stride_ap + offs_r[:, None] * stride_ar + k_first + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-    for k in range(tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(tl.minimum(K - k_first, K_SPLIT), BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs)
             a = tl.load(a_ptrs)
         else:
-            k_mask = offs_k < K - k * BLOCK_K
+            k_mask = offs_k < K - k_first - k * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-    out_ptrs = out_ptr + tokens[:, None] * stride_om + part * R + offs_r[None, :]
+    out_ptrs = out_ptr + split * stride_ok + tokens[:, None] * stride_om + part * R + offs_r[None, :]
     tl.store(out_ptrs, acc, mask=row_mask[:, None])
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stride_sm, stride_bs, stride_bn,
-                   stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stride_sk, stride_sm, stride_bs,
+                   stride_bn, stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT_K: tl.constexpr):
     slot = tl.program_id(0)
     end = tl.load(starts_ptr + slot + 1)
     first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
@@ -109,7 +116,10 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stri
     part = (n0 >= C1).to(tl.int32) + (n0 >= C2).to(tl.int32) + (n0 >= C3).to(tl.int32)
     offs_r = tl.arange(0, R)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    s = tl.load(s_ptr + tokens[:, None] * stride_sm + part * R + offs_r[None, :])  # fp32 [BLOCK_M, R]
+    s_ptrs = s_ptr + tokens[:, None] * stride_sm + part * R + offs_r[None, :]
+    s = tl.load(s_ptrs)  # fp32 [BLOCK_M, R]: shrink's partial sums, added in split order
+    for split in tl.static_range(1, SPLIT_K):
+        s += tl.load(s_ptrs + split * stride_sk)
     b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None])  # [R, BLOCK_N]
     delta = tl.dot(s, b.to(tl.float32), input_precision="ieee")
     y_ptrs = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
@@ -158,11 +168,19 @@ def _check_offsets(*extents: int) -> None:
         raise ValueError(f"tensor extents {extents} exceed the kernels' int32 offsets")
 
 
+def shrink_split(k: int, block_k: int) -> tuple[int, int]:
+    """(number of K splits, columns per split: a multiple of block_k) for an input width k."""
+    per_split = cdiv(max(1, k // max(1, cdiv(k, SHRINK_K_PER_SPLIT))), block_k) * block_k
+    return cdiv(k, per_split), per_split
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
                 max_tokens_per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (rows may be strided) -> out [T, P R] fp32: each slot's tokens' x @ a[slot, p]^T
-    for every part p, accumulated in fp32. Rows of tokens in no segment are not written (an
-    allocated `out` leaves them uninitialised). No host sync; allocates only `out` if not given."""
+    """x [T, K] (rows may be strided) -> each slot's tokens' x @ a[slot, p]^T for every part p,
+    accumulated in fp32: out [splits, T, P R] fp32, partial sums over `shrink_split`'s column
+    ranges of K (their sum, in split order, is the product; lora_expand adds them). An `out`
+    given as [T, P R] takes the whole K in one split. Rows of tokens in no segment are not
+    written (an allocated `out` leaves them uninitialised). No host sync; allocates only `out`."""
     check_float("x", x)
     if x.dim() != 2 or a.dim() != 4:
         raise ValueError(f"x must be [T, K] and a [S, P, R, K], got {tuple(x.shape)} and {tuple(a.shape)}")
@@ -177,21 +195,25 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("a", a)
     _check_segments(sorted_tokens, slot_starts, num_slots, max_tokens_per_slot, x.device)
+    block_k = SHRINK_BLOCK_K_FP32 if x.dtype == torch.float32 else SHRINK_BLOCK_K
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    splits, per_split = shrink_split(k, block_k) if out is None or out.dim() == 3 else (1, k)
     if out is None:
-        out = torch.empty((num_tokens, parts * rank), dtype=torch.float32, device=x.device)
-    elif tuple(out.shape) != (num_tokens, parts * rank) or out.dtype != torch.float32 or out.device != x.device:
-        raise ValueError(f"out must be [{num_tokens}, {parts * rank}] float32 on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        out = torch.empty((splits, num_tokens, parts * rank), dtype=torch.float32, device=x.device)
+    elif tuple(out.shape[-2:]) != (num_tokens, parts * rank) or out.dim() == 3 and out.shape[0] != splits \
+            or out.dtype != torch.float32 or out.device != x.device:
+        raise ValueError(f"out must be [{num_tokens}, {parts * rank}] or [{splits}, {num_tokens}, {parts * rank}] "
+                         f"float32 on {x.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
     check_last_dim_contiguous("out", out)
     if min(num_tokens, num_slots, max_tokens_per_slot, sorted_tokens.shape[0]) == 0:
         return out  # no token can be adapted
-    _check_offsets(num_tokens * x.stride(0), num_tokens * out.stride(0), num_slots * a.stride(0))
-    block_k = SHRINK_BLOCK_K_FP32 if x.dtype == torch.float32 else SHRINK_BLOCK_K
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), parts)
-    _shrink_kernel[grid](x, a, out, sorted_tokens, slot_starts, k, x.stride(0), a.stride(0), a.stride(1),
-                         a.stride(2), out.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
-                         EVEN_K=k % block_k == 0, PRECISION=dot_precision(x.dtype), num_warps=NUM_WARPS,
+    stride_split = out.stride(0) if out.dim() == 3 else 0
+    _check_offsets(num_tokens * x.stride(0), splits * num_tokens * out.stride(-2), num_slots * a.stride(0))
+    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), parts * splits)
+    _shrink_kernel[grid](x, a, out, sorted_tokens, slot_starts, k, per_split, x.stride(0), a.stride(0),
+                         a.stride(1), a.stride(2), stride_split, out.stride(-2), R=rank, BLOCK_M=BLOCK_M,
+                         BLOCK_K=block_k, EVEN_K=k % block_k == 0 and per_split % block_k == 0,
+                         PRECISION=dot_precision(x.dtype), NUM_PARTS=parts, num_warps=NUM_WARPS,
                          num_stages=SHRINK_NUM_STAGES)
     return out
 
@@ -211,10 +233,14 @@ def expand_block_n(col_starts: tuple[int, ...], rank: int, dtype: torch.dtype) -
 
 def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,
                 slot_starts: torch.Tensor, max_tokens_per_slot: int, y: torch.Tensor) -> torch.Tensor:
-    """y [T, N] (model dtype, rows may be strided) += each slot's tokens' s [T, P R] (fp32, from
-    lora_shrink) times b[slot]^T part by part, summed in fp32 and rounded once into y. Rows of
-    tokens in no segment are untouched. In place, no host sync, no allocation. Returns y."""
+    """y [T, N] (model dtype, rows may be strided) += each slot's tokens' s (fp32, lora_shrink's
+    [T, P R] or its split partial sums [splits, T, P R], added first) times b[slot]^T part by
+    part, summed in fp32 and rounded once into y. Rows of tokens in no segment are untouched.
+    In place, no host sync, no allocation. Returns y."""
     check_float("y", y)
+    splits, stride_split = (s.shape[0], s.stride(0)) if s.dim() == 3 else (1, 0)
+    if s.dim() == 3:
+        s = s[0]  # its shape and row stride; the kernel steps over the splits by stride_split
     if s.dim() != 2 or b.dim() != 3 or y.dim() != 2:
         raise ValueError(f"s must be [T, P R], b [S, N, R] and y [T, N], got {tuple(s.shape)}, "
                          f"{tuple(b.shape)} and {tuple(y.shape)}")
@@ -238,9 +264,10 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], s
     num_tokens = y.shape[0]
     if min(num_tokens, num_slots, max_tokens_per_slot, sorted_tokens.shape[0]) == 0:
         return y
-    _check_offsets(num_tokens * s.stride(0), num_tokens * y.stride(0), num_slots * b.stride(0))
+    _check_offsets(splits * num_tokens * s.stride(0), num_tokens * y.stride(0), num_slots * b.stride(0))
     bounds = col_starts[1:-1] + (n,) * (MAX_PARTS - parts)  # C1..C3; n: never reached by a tile
     grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), n // block_n)
-    _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, *bounds, s.stride(0), b.stride(0), b.stride(1),
-                         y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=NUM_WARPS)
+    _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, *bounds, stride_split, s.stride(0), b.stride(0),
+                         b.stride(1), y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT_K=splits,
+                         num_warps=NUM_WARPS)
     return y

@@ -158,7 +158,7 @@ def test_nothing_to_do_launches_nothing(gen, device):
     lora_expand(out, b, (0, 16), empty, none, 4, y)
     assert torch.equal(y, before)
     zero_rows = lora_shrink(x[:0], a, empty, none, 4)
-    assert zero_rows.shape == (0, RANK) and zero_rows.dtype == torch.float32
+    assert zero_rows.shape[1:] == (0, RANK) and zero_rows.dtype == torch.float32
 
 
 def test_segments():
@@ -184,7 +184,7 @@ def test_block_n_keeps_a_column_tile_in_one_part():
 def test_rejects_bad_inputs(gen, device):
     a, b, sorted_tokens, slot_starts, longest, _, _ = _batch(gen, 6, 32, (0, 32, 64), torch.float32)
     x = randn((6, 32), torch.float32, gen)
-    s = lora_shrink(x, a, sorted_tokens, slot_starts, longest)
+    s = lora_shrink(x, a, sorted_tokens, slot_starts, longest)[0]
     y = randn((6, 64), torch.float32, gen)
     with pytest.raises(ValueError, match="power of two"):
         lora_shrink(x, a[:, :, :8], sorted_tokens, slot_starts, longest)
@@ -221,7 +221,7 @@ def test_many_slots_and_one_rank_16_adapter(gen, num_tokens):
     a, b, sorted_tokens, slot_starts, longest, adapted, base = _batch(
         gen, num_tokens, k, col_starts, torch.bfloat16, ranks=(16, 4, 8, 4, 8, 4, 8, 4), num_slots=8)
     x = randn((num_tokens, k), torch.bfloat16, gen)
-    s = lora_shrink(x, a, sorted_tokens, slot_starts, longest)
+    s = lora_shrink(x, a, sorted_tokens, slot_starts, longest).sum(0)  # the split partials
     want = lora_shrink_ref(x, a, sorted_tokens, slot_starts)
     bound = rounded_sum_bound(want, lora_shrink_ref(x.abs(), a.abs(), sorted_tokens, slot_starts), k,
                               torch.float32)
@@ -233,4 +233,32 @@ def test_many_slots_and_one_rank_16_adapter(gen, num_tokens):
     magnitude = lora_expand_ref(s.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
     _assert_within(y[adapted], want[adapted], rounded_sum_bound(want, magnitude, RANK + 1, torch.bfloat16)[adapted],
                    "expand, 8 slots")
+    assert torch.equal(y[base], before[base])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_partials_add_up_to_the_product_and_expand_adds_them(gen, monkeypatch, dtype):
+    """Shrink split over K (columns of 128 here, of 512 on real widths): each split's partial sum,
+    expand adding them in split order; the same bounds as one K-long sum (the split sums add
+    fewer than K more roundings)."""
+    from inflight.kernels import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "SHRINK_K_PER_SPLIT", 128)
+    k, col_starts = 384, (0, 64, 96, 128)
+    a, b, sorted_tokens, slot_starts, longest, adapted, base = _batch(gen, 13, k, col_starts, dtype)
+    x = randn((13, k), dtype, gen)
+    partials = lora_shrink(x, a, sorted_tokens, slot_starts, longest)
+    assert partials.shape[0] == 3  # 384 columns in splits of 128
+    want = lora_shrink_ref(x, a, sorted_tokens, slot_starts)
+    bound = rounded_sum_bound(want, lora_shrink_ref(x.abs(), a.abs(), sorted_tokens, slot_starts), k,
+                              torch.float32)
+    _assert_within(partials.sum(0)[adapted], want[adapted], bound[adapted], "split shrink")
+    y = randn((13, col_starts[-1]), dtype, gen)
+    before = y.clone()
+    lora_expand(partials, b, col_starts, sorted_tokens, slot_starts, longest, y)
+    whole = partials.sum(0)
+    want = lora_expand_ref(whole, b, col_starts, sorted_tokens, slot_starts, before.clone())
+    magnitude = lora_expand_ref(whole.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
+    bound = rounded_sum_bound(want, magnitude, RANK + 3, dtype)  # + the 2 additions of the partials
+    _assert_within(y[adapted], want[adapted], bound[adapted], "split expand")
     assert torch.equal(y[base], before[base])

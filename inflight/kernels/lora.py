@@ -23,8 +23,10 @@ Shrink: grid (S, token tiles, P); a program gathers its tile's BLOCK_M rows of x
 sorted_tokens (rows past the segment read token 0's row, discarded at the store) and walks K in
 BLOCK_K tiles with tl.dot into an fp32 [BLOCK_M, R] accumulator; rows of tokens in no segment are
 not written. Expand: grid (S, token tiles, N / BLOCK_N); BLOCK_N divides every part's width, so a
-column tile lies in one part (a scalar). The dot is fp32 x fp32 ("ieee": s keeps its 24 bits, b
-is widened exactly), added to y in fp32 and rounded once to y's dtype. Each y element has one
+column tile lies in one part (a scalar). For a 16-bit y the dot runs on tensor cores with s rounded to
+y's dtype (a relative error of one rounding of that dtype on the delta, small next to the
+delta's own rounding into y); for fp32 it is fp32 x fp32 ("ieee": s keeps its 24 bits, b is
+widened exactly). The sum is added to y in fp32 and rounded once to y's dtype. Each y element has one
 writer, since a token is in at most one segment.
 
 Cost (Llama-3.1-8B, R = 16, bf16): A of a q/k/v slot is 3 x 16 x 4096 x 2 B = 384 KiB, B 192 KiB,
@@ -103,7 +105,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, K_SPLIT, st
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stride_sk, stride_sm, stride_bs,
                    stride_bn, stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, TENSOR_CORES: tl.constexpr):
     slot = tl.program_id(0)
     end = tl.load(starts_ptr + slot + 1)
     first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
@@ -120,8 +122,11 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stri
     s = tl.load(s_ptrs)  # fp32 [BLOCK_M, R]: shrink's partial sums, added in split order
     for split in tl.static_range(1, SPLIT_K):
         s += tl.load(s_ptrs + split * stride_sk)
-    b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None])  # [R, BLOCK_N]
-    delta = tl.dot(s, b.to(tl.float32), input_precision="ieee")
+    b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :])  # [BLOCK_N, R], R contiguous
+    if TENSOR_CORES:  # 16-bit y: s rounded to y's dtype, products summed in fp32 on tensor cores
+        delta = tl.dot(s.to(b.dtype), tl.trans(b))
+    else:  # fp32: s keeps its 24 bits, b is widened exactly
+        delta = tl.dot(s, tl.trans(b).to(tl.float32), input_precision="ieee")
     y_ptrs = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
     y = tl.load(y_ptrs, mask=row_mask[:, None], other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -231,6 +236,12 @@ def expand_block_n(col_starts: tuple[int, ...], rank: int, dtype: torch.dtype) -
     return block_n
 
 
+def expand_block_m(max_tokens_per_slot: int) -> int:
+    """Tokens per expand tile: a segment's B tile is read once per token tile, so long
+    segments (prefill, large batches) take bigger ones; decode segments fit in 16."""
+    return 16 if max_tokens_per_slot <= 16 else 32 if max_tokens_per_slot <= 32 else 64
+
+
 def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,
                 slot_starts: torch.Tensor, max_tokens_per_slot: int, y: torch.Tensor) -> torch.Tensor:
     """y [T, N] (model dtype, rows may be strided) += each slot's tokens' s (fp32, lora_shrink's
@@ -266,8 +277,9 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], s
         return y
     _check_offsets(splits * num_tokens * s.stride(0), num_tokens * y.stride(0), num_slots * b.stride(0))
     bounds = col_starts[1:-1] + (n,) * (MAX_PARTS - parts)  # C1..C3; n: never reached by a tile
-    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), n // block_n)
+    block_m = expand_block_m(max_tokens_per_slot)
+    grid = (num_slots, cdiv(max_tokens_per_slot, block_m), n // block_n)
     _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, *bounds, stride_split, s.stride(0), b.stride(0),
-                         b.stride(1), y.stride(0), R=rank, BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT_K=splits,
-                         num_warps=NUM_WARPS)
+                         b.stride(1), y.stride(0), R=rank, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=splits,
+                         TENSOR_CORES=y.dtype != torch.float32, num_warps=NUM_WARPS)
     return y

@@ -225,6 +225,14 @@ def lora_expand_ref(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...
     return y
 
 
+def expand_bound(reference: torch.Tensor, magnitude: torch.Tensor, terms: int, dtype: torch.dtype) -> torch.Tensor:
+    """`rounded_sum_bound` for lora_expand, whose tensor-core dot (16-bit y) first rounds s to
+    y's dtype: each product then carries up to one rounding u(dtype), at most u x the magnitude
+    in all (the magnitude counts |y| too, which only widens it). fp32 keeps s whole."""
+    extra = 0.0 if dtype == torch.float32 else UNIT_ROUNDOFF[dtype] * magnitude.double().abs()
+    return rounded_sum_bound(reference, magnitude, terms, dtype) + extra
+
+
 def rounded_sum_bound(reference: torch.Tensor, magnitude: torch.Tensor, terms: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """Bound (fp64) on |kernel - reference| per element, where `reference` is an exact sum of

@@ -23,7 +23,7 @@ import torch
 
 from inflight.kernels import lora_expand, lora_shrink
 from inflight.kernels.lora import expand_block_n, lora_segments
-from inflight.kernels.reference import lora_expand_ref, lora_shrink_ref, rounded_sum_bound
+from inflight.kernels.reference import expand_bound, lora_expand_ref, lora_shrink_ref, rounded_sum_bound
 from tests.kernels.helpers import ON_CUDA, cuda_only, poisoned, randn
 
 NUM_SLOTS = 3
@@ -85,7 +85,7 @@ def _check(gen, num_tokens, k, col_starts, dtype, extra_bound=20):
     want = lora_expand_ref(s, b, col_starts, sorted_tokens, slot_starts, before.clone())
     magnitude = lora_expand_ref(s.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
     # Guards R products + y summed in fp32, then one rounding to y's dtype (1 ulp vs the reference).
-    bound = rounded_sum_bound(want, magnitude, RANK + 1, dtype)
+    bound = expand_bound(want, magnitude, RANK + 1, dtype)
     _assert_within(y[adapted], want[adapted], bound[adapted], f"expand {dtype}")
     assert torch.equal(y[base], before[base]), "rows of base-model tokens must stay bit-identical"
 
@@ -231,7 +231,7 @@ def test_many_slots_and_one_rank_16_adapter(gen, num_tokens):
     lora_expand(s, b, col_starts, sorted_tokens, slot_starts, longest, y)
     want = lora_expand_ref(s, b, col_starts, sorted_tokens, slot_starts, before.clone())
     magnitude = lora_expand_ref(s.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
-    _assert_within(y[adapted], want[adapted], rounded_sum_bound(want, magnitude, RANK + 1, torch.bfloat16)[adapted],
+    _assert_within(y[adapted], want[adapted], expand_bound(want, magnitude, RANK + 1, torch.bfloat16)[adapted],
                    "expand, 8 slots")
     assert torch.equal(y[base], before[base])
 
@@ -259,6 +259,6 @@ def test_split_k_partials_add_up_to_the_product_and_expand_adds_them(gen, monkey
     whole = partials.sum(0)
     want = lora_expand_ref(whole, b, col_starts, sorted_tokens, slot_starts, before.clone())
     magnitude = lora_expand_ref(whole.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
-    bound = rounded_sum_bound(want, magnitude, RANK + 3, dtype)  # + the 2 additions of the partials
+    bound = expand_bound(want, magnitude, RANK + 3, dtype)  # + the 2 additions of the partials
     _assert_within(y[adapted], want[adapted], bound[adapted], "split expand")
     assert torch.equal(y[base], before[base])

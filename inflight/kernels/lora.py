@@ -37,6 +37,7 @@ would be the lever if the H100 bench shows shrink latency-bound).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -68,15 +69,34 @@ MIN_RANK = 16  # tl.dot's minimum K (expand) and N (shrink)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, K_SPLIT, stride_xm, stride_as, stride_ap,
-                   stride_ar, stride_ok, stride_om, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NUM_PARTS: tl.constexpr):
-    slot = tl.program_id(0)
+def _segment_tile(starts_ptr, tiles_ptr, BLOCK_M: tl.constexpr, USE_TILES: tl.constexpr):
+    """(slot, first row of sorted_tokens, end of the slot's segment) of this program's token
+    tile: from the tile table (`lora_tiles`: a grid of real tiles plus a few spare), or from the
+    grid (slot, tile within the slot), whose programs past their segment find first >= end."""
+    if USE_TILES:
+        tile = tl.program_id(0)
+        num_tiles = tl.load(tiles_ptr)
+        index = tl.minimum(tile, tl.maximum(num_tiles - 1, 0))  # spare programs read a real entry
+        slot = tl.load(tiles_ptr + 1 + 2 * index)
+        first = tl.load(tiles_ptr + 2 + 2 * index)
+        end = tl.load(starts_ptr + slot + 1)
+        end = tl.where(tile < num_tiles, end, first)  # a spare program: empty
+    else:
+        slot = tl.program_id(0)
+        first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
+        end = tl.load(starts_ptr + slot + 1)
+    return slot, first, end
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, tiles_ptr, K, K_SPLIT, stride_xm, stride_as,
+                   stride_ap, stride_ar, stride_ok, stride_om, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NUM_PARTS: tl.constexpr,
+                   USE_TILES: tl.constexpr):
     part = tl.program_id(2) % NUM_PARTS
     split = tl.program_id(2) // NUM_PARTS  # this program's K_SPLIT columns of K (a multiple of BLOCK_K)
-    end = tl.load(starts_ptr + slot + 1)
-    first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
-    if first >= end:  # past the segment (the grid is sized by the bound): nothing to do
+    slot, first, end = _segment_tile(starts_ptr, tiles_ptr, BLOCK_M, USE_TILES)
+    if first >= end:  # past the segment (the grid is sized by a bound): nothing to do
         return
     rows = first + tl.arange(0, BLOCK_M)
     row_mask = rows < end
@@ -103,12 +123,10 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, K, K_SPLIT, st
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, C1, C2, C3, stride_sk, stride_sm, stride_bs,
-                   stride_bn, stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, TENSOR_CORES: tl.constexpr):
-    slot = tl.program_id(0)
-    end = tl.load(starts_ptr + slot + 1)
-    first = tl.load(starts_ptr + slot) + tl.program_id(1) * BLOCK_M
+def _expand_kernel(s_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, tiles_ptr, C1, C2, C3, stride_sk, stride_sm,
+                   stride_bs, stride_bn, stride_ym, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT_K: tl.constexpr, TENSOR_CORES: tl.constexpr, USE_TILES: tl.constexpr):
+    slot, first, end = _segment_tile(starts_ptr, tiles_ptr, BLOCK_M, USE_TILES)
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -151,6 +169,36 @@ def lora_segments(token_slots: list[int], num_slots: int) -> tuple[list[int], li
     return [t for seg in segments for t in seg], starts, max(map(len, segments), default=0)
 
 
+@dataclass(frozen=True)
+class TileTable:
+    """A step's token tiles over its segments (`lora_tiles`): the kernels' grid covers real
+    tiles plus at most one partial tile a slot, not every slot x the longest segment (which at
+    a graph's bound is mostly empty programs: 57k of them for gate/up at 2048 tokens)."""
+
+    table: torch.Tensor  # [1 + 2 max_tiles] int32: the tile count, then (slot, first row) per tile
+    max_tiles: int  # the grid's size (a static bound for graphs: `max_tiles_for`)
+    block_m: int  # rows per tile: BLOCK_M for shrink; expand's own (`expand_block_m`)
+
+
+def max_tiles_for(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Tiles any step of up to `num_tokens` adapted tokens can need: each slot's segment adds at
+    most one partial tile."""
+    return cdiv(num_tokens, block_m) + num_slots
+
+
+def lora_tiles(slot_starts: list[int], block_m: int, max_tiles: int) -> list[int]:
+    """The tile table's contents (host side, pure Python): count, then (slot, first row of
+    sorted_tokens) per tile of `block_m` rows, padded with (0, 0) to `max_tiles` entries."""
+    tiles = []
+    for slot in range(len(slot_starts) - 1):
+        for first in range(slot_starts[slot], slot_starts[slot + 1], block_m):
+            tiles += [slot, first]
+    num_tiles = len(tiles) // 2
+    if num_tiles > max_tiles:
+        raise ValueError(f"{num_tiles} token tiles exceed the table's {max_tiles}")
+    return [num_tiles] + tiles + [0, 0] * (max_tiles - num_tiles)
+
+
 def _check_segments(sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, num_slots: int,
                     max_tokens_per_slot: int, device: torch.device) -> None:
     for name, t in (("sorted_tokens", sorted_tokens), ("slot_starts", slot_starts)):
@@ -180,12 +228,15 @@ def shrink_split(k: int, block_k: int) -> tuple[int, int]:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
-                max_tokens_per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                max_tokens_per_slot: int, out: torch.Tensor | None = None,
+                tiles: TileTable | None = None) -> torch.Tensor:
     """x [T, K] (rows may be strided) -> each slot's tokens' x @ a[slot, p]^T for every part p,
     accumulated in fp32: out [splits, T, P R] fp32, partial sums over `shrink_split`'s column
     ranges of K (their sum, in split order, is the product; lora_expand adds them). An `out`
     given as [T, P R] takes the whole K in one split. Rows of tokens in no segment are not
-    written (an allocated `out` leaves them uninitialised). No host sync; allocates only `out`."""
+    written (an allocated `out` leaves them uninitialised). With `tiles` (of BLOCK_M rows) the
+    grid runs over its tiles instead of slots x `max_tokens_per_slot`. No host sync; allocates
+    only `out`."""
     check_float("x", x)
     if x.dim() != 2 or a.dim() != 4:
         raise ValueError(f"x must be [T, K] and a [S, P, R, K], got {tuple(x.shape)} and {tuple(a.shape)}")
@@ -214,11 +265,15 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
         return out  # no token can be adapted
     stride_split = out.stride(0) if out.dim() == 3 else 0
     _check_offsets(num_tokens * x.stride(0), splits * num_tokens * out.stride(-2), num_slots * a.stride(0))
-    grid = (num_slots, cdiv(max_tokens_per_slot, BLOCK_M), parts * splits)
-    _shrink_kernel[grid](x, a, out, sorted_tokens, slot_starts, k, per_split, x.stride(0), a.stride(0),
-                         a.stride(1), a.stride(2), stride_split, out.stride(-2), R=rank, BLOCK_M=BLOCK_M,
-                         BLOCK_K=block_k, EVEN_K=k % block_k == 0 and per_split % block_k == 0,
-                         PRECISION=dot_precision(x.dtype), NUM_PARTS=parts, num_warps=NUM_WARPS,
+    if tiles is not None and tiles.block_m != BLOCK_M:
+        raise ValueError(f"shrink's tile table must have {BLOCK_M}-row tiles, got {tiles.block_m}")
+    grid = ((tiles.max_tiles, 1) if tiles is not None else (num_slots, cdiv(max_tokens_per_slot, BLOCK_M))) + \
+        (parts * splits,)
+    _shrink_kernel[grid](x, a, out, sorted_tokens, slot_starts, tiles.table if tiles is not None else slot_starts,
+                         k, per_split, x.stride(0), a.stride(0), a.stride(1), a.stride(2), stride_split,
+                         out.stride(-2), R=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
+                         EVEN_K=k % block_k == 0 and per_split % block_k == 0, PRECISION=dot_precision(x.dtype),
+                         NUM_PARTS=parts, USE_TILES=tiles is not None, num_warps=NUM_WARPS,
                          num_stages=SHRINK_NUM_STAGES)
     return out
 
@@ -243,7 +298,8 @@ def expand_block_m(max_tokens_per_slot: int) -> int:
 
 
 def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,
-                slot_starts: torch.Tensor, max_tokens_per_slot: int, y: torch.Tensor) -> torch.Tensor:
+                slot_starts: torch.Tensor, max_tokens_per_slot: int, y: torch.Tensor,
+                tiles: TileTable | None = None) -> torch.Tensor:
     """y [T, N] (model dtype, rows may be strided) += each slot's tokens' s (fp32, lora_shrink's
     [T, P R] or its split partial sums [splits, T, P R], added first) times b[slot]^T part by
     part, summed in fp32 and rounded once into y. Rows of tokens in no segment are untouched.
@@ -277,9 +333,13 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], s
         return y
     _check_offsets(splits * num_tokens * s.stride(0), num_tokens * y.stride(0), num_slots * b.stride(0))
     bounds = col_starts[1:-1] + (n,) * (MAX_PARTS - parts)  # C1..C3; n: never reached by a tile
-    block_m = expand_block_m(max_tokens_per_slot)
-    grid = (num_slots, cdiv(max_tokens_per_slot, block_m), n // block_n)
-    _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, *bounds, stride_split, s.stride(0), b.stride(0),
-                         b.stride(1), y.stride(0), R=rank, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=splits,
-                         TENSOR_CORES=y.dtype != torch.float32, num_warps=NUM_WARPS)
+    if tiles is not None:
+        block_m, grid = tiles.block_m, (tiles.max_tiles, 1, n // block_n)
+    else:
+        block_m = expand_block_m(max_tokens_per_slot)
+        grid = (num_slots, cdiv(max_tokens_per_slot, block_m), n // block_n)
+    _expand_kernel[grid](s, b, y, sorted_tokens, slot_starts, tiles.table if tiles is not None else slot_starts,
+                         *bounds, stride_split, s.stride(0), b.stride(0), b.stride(1), y.stride(0), R=rank,
+                         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=splits, TENSOR_CORES=y.dtype != torch.float32,
+                         USE_TILES=tiles is not None, num_warps=NUM_WARPS)
     return y

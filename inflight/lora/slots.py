@@ -19,11 +19,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from inflight.lora.cache import CachedLora
 from inflight.model.config import ModelConfig
+from inflight.platform import to_device
 
 # group -> its parts in output-column order, and the module whose input it reads
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -41,11 +43,78 @@ def rank_bound(max_adapter_size: int) -> int:
 
 @dataclass(frozen=True)
 class Segments:
-    """The kernels' view of one step: tokens grouped by slot, on the device."""
+    """The kernels' view of one step: tokens grouped by slot, and the token tiles the kernels'
+    grids run over (`inflight.kernels.lora.TileTable`), on the device."""
 
     sorted_tokens: torch.Tensor  # [M] int32
     slot_starts: torch.Tensor  # [S + 1] int32
-    max_tokens_per_slot: int  # the grid's bound (a graph's bucket size, or the longest segment)
+    max_tokens_per_slot: int
+    shrink_tiles: Any  # TileTable of BLOCK_M rows
+    expand_tiles: Any  # TileTable of expand_block_m rows
+
+
+def _host_segments(token_slots: list[int], num_slots: int, shrink_max: int, expand_block_m: int,
+                   expand_max: int) -> tuple[list[int], int]:
+    """(sorted tokens + slot starts + both tile tables as one int32 list, number of sorted tokens)."""
+    from inflight.kernels.lora import BLOCK_M, lora_segments, lora_tiles
+
+    sorted_tokens, starts, _ = lora_segments(token_slots, num_slots)
+    values = sorted_tokens + starts + lora_tiles(starts, BLOCK_M, shrink_max) + \
+        lora_tiles(starts, expand_block_m, expand_max)
+    return values, len(sorted_tokens)
+
+
+def eager_segments(token_slots: list[int], num_slots: int, device: torch.device) -> Segments:
+    """An eager step's segments, sized to its own tokens (one host -> device copy)."""
+    from inflight.kernels.lora import BLOCK_M, TileTable, expand_block_m, lora_segments, max_tiles_for
+
+    _, _, longest = lora_segments(token_slots, num_slots)
+    num_tokens = max(1, sum(slot >= 0 for slot in token_slots))
+    block_m = expand_block_m(longest)
+    shrink_max, expand_max = max_tiles_for(num_tokens, num_slots, BLOCK_M), max_tiles_for(num_tokens, num_slots, block_m)
+    values, m = _host_segments(token_slots, num_slots, shrink_max, block_m, expand_max)
+    staged = to_device(torch.tensor(values, dtype=torch.int32), device)
+    views = staged.split([m, num_slots + 1, 1 + 2 * shrink_max, 1 + 2 * expand_max])
+    return Segments(views[0], views[1], max(longest, 1), TileTable(views[2], shrink_max, BLOCK_M),
+                    TileTable(views[3], expand_max, block_m))
+
+
+class SegmentBuffers:
+    """A CUDA graph's static segments for steps of up to `max_tokens` tokens (expand tiles of
+    `expand_block_m` rows), staged each step with one copy; `segments(n)` gives a bucket of n
+    tokens its views (grids sized for n)."""
+
+    def __init__(self, max_tokens: int, num_slots: int, expand_block_m: int, device: torch.device) -> None:
+        from inflight.kernels.lora import BLOCK_M, max_tiles_for
+
+        self.num_slots, self.expand_block_m = num_slots, expand_block_m
+        self.shrink_max = max_tiles_for(max_tokens, num_slots, BLOCK_M)
+        self.expand_max = max_tiles_for(max_tokens, num_slots, expand_block_m)
+        self.sizes = [max_tokens, num_slots + 1, 1 + 2 * self.shrink_max, 1 + 2 * self.expand_max]
+        self.buffer = torch.zeros(sum(self.sizes), dtype=torch.int32, device=device)
+        self.views = self.buffer.split(self.sizes)
+
+    def segments(self, num_tokens: int) -> Segments:
+        from inflight.kernels.lora import BLOCK_M, TileTable, max_tiles_for
+
+        shrink_max = max_tiles_for(num_tokens, self.num_slots, BLOCK_M)
+        expand_max = max_tiles_for(num_tokens, self.num_slots, self.expand_block_m)
+        return Segments(self.views[0][:num_tokens], self.views[1], num_tokens,
+                        TileTable(self.views[2][:1 + 2 * shrink_max], shrink_max, BLOCK_M),
+                        TileTable(self.views[3][:1 + 2 * expand_max], expand_max, self.expand_block_m))
+
+    def clear(self) -> None:
+        """No token in any segment (capture: nothing stored, nothing read)."""
+        self.buffer.zero_()
+
+    def stage(self, token_slots: list[int]) -> None:
+        """The step's segments into the static buffers (queued; no sync)."""
+        values, m = _host_segments(token_slots, self.num_slots, self.shrink_max, self.expand_block_m,
+                                   self.expand_max)
+        staged = to_device(torch.tensor(values, dtype=torch.int32), self.buffer.device)
+        parts = staged.split([m, self.num_slots + 1, 1 + 2 * self.shrink_max, 1 + 2 * self.expand_max])
+        for view, part in zip(self.views, parts):
+            view[:part.shape[0]].copy_(part, non_blocking=True)
 
 
 class LoraSlots:
@@ -138,6 +207,7 @@ class SlotBatch:
         group = GROUP_OF[parts[0][0]]
         a, b = self.slots.layers[layer][group]
         seg = self.segments
-        shrunk = lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot)
+        shrunk = lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot,
+                             tiles=seg.shrink_tiles)
         lora_expand(shrunk, b, self.slots.col_starts[group], seg.sorted_tokens, seg.slot_starts,
-                    seg.max_tokens_per_slot, y)
+                    seg.max_tokens_per_slot, y, tiles=seg.expand_tiles)

@@ -45,7 +45,6 @@ import torch
 
 from inflight.intmath import cdiv
 from inflight.model.attention import DecodeBuffers
-from inflight.platform import to_device
 from inflight.runner.graph_inputs import Staging, StaticLayout
 from inflight.runner.mixed_graph import MixedGraphs, MixedRow, MixedStep, pool_bytes
 
@@ -114,7 +113,7 @@ class CudaGraphRunner:
         self.mixed: MixedGraphs | None = None
         if mixed_token_buckets and self.backend.supports_mixed_graphs:
             self.mixed = MixedGraphs(model, mixed_token_buckets, max_num_seqs, max_seq_len, width,
-                                     block_size, self.logits, sampled_ids)
+                                     block_size, self.logits, sampled_ids, lora_slots)
         # Two host copies used in turn: one can be read by its queued copy while the next
         # step writes the other.
         self._staging = [Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
@@ -123,9 +122,11 @@ class CudaGraphRunner:
         self._bucket_of = [0] + [next(b for b in self.batch_sizes if b >= n)
                                  for n in range(1, self.max_batch_size + 1)]
         self.lora_slots = lora_slots
-        if lora_slots is not None:
-            self.lora_sorted = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
-            self.lora_starts = torch.zeros(lora_slots.num_slots + 1, dtype=torch.int32, device=device)
+        self.lora_segments = None
+        if lora_slots is not None:  # decode segments are short: 16-row expand tiles
+            from inflight.lora.slots import SegmentBuffers
+
+            self.lora_segments = SegmentBuffers(self.max_batch_size, lora_slots.num_slots, 16, device)
         self.kv_caches: list[torch.Tensor] | None = None
         self.pool = None
         # Bytes the pool grew by at capture: per mixed token bucket ("mixed T"), then "decode".
@@ -160,7 +161,7 @@ class CudaGraphRunner:
                 self._forward(bucket)
             bucket.graph = graph
             if self.lora_slots is not None:
-                self.lora_starts.zero_()  # no token in any segment: nothing stored, nothing read
+                self.lora_segments.clear()  # no token in any segment: nothing stored, nothing read
                 self._forward(bucket, lora=True)
                 torch.cuda.synchronize()
                 bucket.lora_graph = torch.cuda.CUDAGraph()
@@ -175,10 +176,9 @@ class CudaGraphRunner:
     def _forward(self, bucket: _Bucket, lora: bool = False) -> None:
         batch = None
         if lora:
-            from inflight.lora.slots import Segments, SlotBatch
+            from inflight.lora.slots import SlotBatch
 
-            batch = SlotBatch(self.lora_slots, Segments(self.lora_sorted[:bucket.batch_size], self.lora_starts,
-                                                        bucket.batch_size))
+            batch = SlotBatch(self.lora_slots, self.lora_segments.segments(bucket.batch_size))
         hidden = self.model(bucket.input_ids, bucket.positions, self.kv_caches,
                             bucket.attn_metadata, batch)  # [Bp, hidden]
         self.model.compute_logits(hidden, out=self.logits[:bucket.batch_size])
@@ -242,14 +242,13 @@ class CudaGraphRunner:
         staging.copy_to(self.arena, self.layout.step_nbytes(batch_size))
         return GraphStep(batch_size, num_rows, num_pending, seq_lens[:num_rows].copy())
 
-    def stage_lora(self, step: GraphStep, sorted_tokens: list[int], slot_starts: list[int]) -> GraphStep:
-        """Stages a decode step's adapter segments (`inflight.kernels.lora.lora_segments` of its
-        rows' slots) into the static buffers; returns the step marked to replay the LoRA graph."""
-        values = torch.tensor(sorted_tokens + slot_starts, dtype=torch.int32)
-        staged = to_device(values, self.lora_sorted.device)
-        n = len(sorted_tokens)
-        self.lora_sorted[:n].copy_(staged[:n], non_blocking=True)
-        self.lora_starts.copy_(staged[n:], non_blocking=True)
+    def stage_lora(self, step: GraphStep | MixedStep, token_slots: list[int]) -> GraphStep | MixedStep:
+        """Stages a step's adapter segments (each token's slot, -1 for none) into its graphs'
+        static buffers; returns the step marked to replay the LoRA graph."""
+        if isinstance(step, MixedStep):
+            self.mixed.lora_segments.stage(token_slots)
+        else:
+            self.lora_segments.stage(token_slots)
         return replace(step, lora=True)
 
     def mixed_bucket_for(self, num_tokens: int, num_rows: int) -> int | None:

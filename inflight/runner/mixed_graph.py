@@ -67,6 +67,7 @@ class MixedStep:
     num_tokens: int  # the bucket
     num_sampled: int
     num_pending: int
+    lora: bool = False  # replay the bucket's LoRA graph (its segments are staged)
 
 
 class _Bucket:
@@ -81,6 +82,7 @@ class _Bucket:
                                     views.seq_lens[:num_rows], views.tables[:num_rows], max_seq_len)
         self.attn_metadata = backend.mixed_graph_metadata(self.buffers)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.lora_graph: torch.cuda.CUDAGraph | None = None
 
     def pad_all(self) -> None:
         """Every token and row padding (warm-up and capture: nothing is stored or read)."""
@@ -98,8 +100,11 @@ class MixedGraphs:
     which owns the pool, the KV cache binding and the shared logits buffer."""
 
     def __init__(self, model, token_buckets: Sequence[int], max_batch_size: int, max_seq_len: int,
-                 width: int, block_size: int, logits: torch.Tensor, sampled_ids: torch.Tensor) -> None:
+                 width: int, block_size: int, logits: torch.Tensor, sampled_ids: torch.Tensor,
+                 lora_slots=None) -> None:
+        """`lora_slots`: also capture each bucket with adapters (as the decode graphs)."""
         self.model = model
+        self.lora_slots = lora_slots
         self.logits = logits  # [>= max_batch_size, vocab] fp32, shared with the decode graphs
         self.sampled_ids = sampled_ids  # the previous step's sampled ids (overlapped steps)
         self.block_size = block_size
@@ -116,6 +121,11 @@ class MixedGraphs:
         self._staging = [Staging(self.layout, self.arena.is_cuda) for _ in range(2)]
         self._num_staged = 0
         self.kv_caches: list[torch.Tensor] | None = None
+        self.lora_segments = None
+        if lora_slots is not None:  # prompt chunks make long segments: 64-row expand tiles
+            from inflight.lora.slots import SegmentBuffers
+
+            self.lora_segments = SegmentBuffers(self.max_num_tokens, lora_slots.num_slots, 64, device)
 
     def capture(self, kv_caches: list[torch.Tensor], pool) -> list[tuple[int, int]]:
         """Warms up and captures every bucket, largest first, into `pool`; returns
@@ -131,13 +141,24 @@ class MixedGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(bucket)
             bucket.graph = graph
+            if self.lora_slots is not None:
+                self.lora_segments.clear()  # no token in any segment: nothing stored, nothing read
+                self._forward(bucket, lora=True)
+                bucket.lora_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bucket.lora_graph, pool=pool):
+                    self._forward(bucket, lora=True)
             grown.append((num_tokens, pool_bytes() - before))
         return grown
 
     @torch.inference_mode()
-    def _forward(self, bucket: _Bucket) -> None:
+    def _forward(self, bucket: _Bucket, lora: bool = False) -> None:
+        batch = None
+        if lora:
+            from inflight.lora.slots import SlotBatch
+
+            batch = SlotBatch(self.lora_slots, self.lora_segments.segments(bucket.num_tokens))
         hidden = self.model(bucket.input_ids, bucket.positions, self.kv_caches,
-                            bucket.attn_metadata)  # [T, hidden]
+                            bucket.attn_metadata, batch)  # [T, hidden]
         hidden = hidden.index_select(0, bucket.logits_indices)  # [L_T, hidden]
         self.model.compute_logits(hidden, out=self.logits[:bucket.num_logits])
 
@@ -149,10 +170,11 @@ class MixedGraphs:
             n = step.num_pending
             bucket.input_ids.index_copy_(0, bucket.pending_dst[:n],
                                          self.sampled_ids.index_select(0, bucket.pending_src[:n]))
-        if bucket.graph is not None:
-            bucket.graph.replay()
+        graph = bucket.lora_graph if step.lora else bucket.graph
+        if graph is not None:
+            graph.replay()
         else:
-            self._forward(bucket)
+            self._forward(bucket, step.lora)
         return self.logits[:step.num_sampled]
 
     def bucket_for(self, num_tokens: int, num_rows: int) -> int | None:

@@ -128,17 +128,17 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     plan, rows = order.plan, order.rows
     extras = (rows, order.hooks, order.request_ids)
     runner = target.graph_runner if not order.context_logits else None  # graphs keep no prompt logits
-    lora_graphs = runner is not None and runner.lora_slots is not None
-    if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode() \
-            and (not order.loras or lora_graphs):
+    if runner is not None and order.loras and runner.lora_slots is None:
+        runner = None  # no graphs with adapters: the step runs eagerly
+    if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
         step = runner.stage_plan(plan)
         if order.loras:
-            step = _stage_lora(runner, step, order.loras)
+            step = _stage_lora(runner, step, order.loras, [1] * plan.num_rows)
         return StepInput(None, None, step, *extras, None, order.generation_logits, plan.num_sampled)
-    if order.loras:
-        runner = None  # mixed steps with adapters run eagerly
     if runner is not None and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None:
         graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled, plan.block_tables)))
+        if order.loras:
+            graph_step = _stage_lora(runner, graph_step, order.loras, [len(t) for t in plan.tokens])
         return StepInput(None, None, graph_step, *extras, None, order.generation_logits, plan.num_sampled)
     input_ids, row_starts, pending = _flatten(plan.tokens)
     meta = StepMetadata.build(
@@ -160,12 +160,8 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
                      reduction.keep_logits, lora)
 
 
-def _stage_lora(runner: CudaGraphRunner, step, row_loras) -> Any:
-    from inflight.kernels.lora import lora_segments
-
-    token_slots = runner.lora_slots.token_slots(row_loras, [1] * len(row_loras))
-    sorted_tokens, starts, _ = lora_segments(token_slots, runner.lora_slots.num_slots)
-    return runner.stage_lora(step, sorted_tokens, starts)
+def _stage_lora(runner: CudaGraphRunner, step, row_loras, row_num_tokens: list[int]) -> Any:
+    return runner.stage_lora(step, runner.lora_slots.token_slots(row_loras, row_num_tokens))
 
 
 def _flatten(row_tokens: Iterable[list[int]]

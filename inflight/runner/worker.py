@@ -39,7 +39,7 @@ from inflight.api.config import ExecutorConfig
 from inflight.distributed.group import TensorParallel, rank_device
 from inflight.fatal_errors import EngineFatalError
 from inflight.lora.batch import LoraDeviceCache
-from inflight.lora.slots import LoraSlots, Segments, SlotBatch
+from inflight.lora.slots import LoraSlots, SlotBatch, eager_segments
 from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
 from inflight.model.sharding import shard_config
@@ -163,13 +163,8 @@ class Worker:
             return None
         if self.lora_slots is None:
             return self.lora_cache.batch(row_loras, row_num_tokens)
-        from inflight.kernels.lora import lora_segments
-
         token_slots = self.lora_slots.token_slots(row_loras, row_num_tokens)
-        sorted_tokens, starts, longest = lora_segments(token_slots, self.lora_slots.num_slots)
-        staged = to_device(torch.tensor(sorted_tokens + starts, dtype=torch.int32), self.device)
-        segments = Segments(staged[:len(sorted_tokens)], staged[len(sorted_tokens):], max(longest, 1))
-        return SlotBatch(self.lora_slots, segments)
+        return SlotBatch(self.lora_slots, eager_segments(token_slots, self.lora_slots.num_slots, self.device))
 
     def _capture_graphs(self, explicit: bool) -> None:
         try:

@@ -262,3 +262,37 @@ def test_split_k_partials_add_up_to_the_product_and_expand_adds_them(gen, monkey
     bound = expand_bound(want, magnitude, RANK + 3, dtype)  # + the 2 additions of the partials
     _assert_within(y[adapted], want[adapted], bound[adapted], "split expand")
     assert torch.equal(y[base], before[base])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_table_grid_gives_the_slot_grids_results(gen, dtype):
+    """The kernels over a tile table (`lora_tiles`: real tiles, then spares that must do
+    nothing) against the references, as a graph's static table is used."""
+    from inflight.kernels.lora import BLOCK_M, TileTable, lora_tiles, max_tiles_for
+
+    k, col_starts = 96, (0, 64, 96, 128)
+    a, b, sorted_tokens, slot_starts, longest, adapted, base = _batch(gen, 70, k, col_starts, dtype)
+    starts = slot_starts.tolist()
+    device = sorted_tokens.device
+
+    def table(block_m):
+        max_tiles = max_tiles_for(70, a.shape[0], block_m) + 2  # spare entries, as a bigger bucket has
+        values = torch.tensor(lora_tiles(starts, block_m, max_tiles), dtype=torch.int32, device=device)
+        return TileTable(values, max_tiles, block_m)
+
+    x = randn((70, k), dtype, gen)
+    s = lora_shrink(x, a, sorted_tokens, slot_starts, 70, tiles=table(BLOCK_M))
+    want = lora_shrink_ref(x, a, sorted_tokens, slot_starts)
+    bound = rounded_sum_bound(want, lora_shrink_ref(x.abs(), a.abs(), sorted_tokens, slot_starts), k,
+                              torch.float32)
+    _assert_within(s.sum(0)[adapted], want[adapted], bound[adapted], "tiled shrink")
+    for block_m in (16, 64):
+        y = randn((70, col_starts[-1]), dtype, gen)
+        before = y.clone()
+        lora_expand(s, b, col_starts, sorted_tokens, slot_starts, 70, y, tiles=table(block_m))
+        whole = s.sum(0)
+        want = lora_expand_ref(whole, b, col_starts, sorted_tokens, slot_starts, before.clone())
+        magnitude = lora_expand_ref(whole.abs(), b.abs(), col_starts, sorted_tokens, slot_starts, before.abs())
+        _assert_within(y[adapted], want[adapted], expand_bound(want, magnitude, RANK + s.shape[0], dtype)[adapted],
+                       f"tiled expand, {block_m}-row tiles")
+        assert torch.equal(y[base], before[base])

@@ -1,0 +1,67 @@
+"""The CUDA path's adapter slots and segments (inflight/lora/slots.py), run on the CPU through
+Triton's interpreter: every projection group's deltas through the kernels equal the torch path's
+(inflight/lora/batch.py) for a step mixing base rows and adapters of different ranks, with the
+segments built for an eager step and staged into a graph's static buffers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+from inflight.lora.adapter import LoraAdapter, module_shapes  # noqa: E402
+from inflight.lora.batch import LoraDeviceCache  # noqa: E402
+from inflight.lora.cache import CachedLora  # noqa: E402
+from inflight.lora.slots import GROUPS, LoraSlots, SegmentBuffers, SlotBatch, eager_segments  # noqa: E402
+from inflight.model.config import ModelConfig  # noqa: E402
+from tools.checkpoints import tiny_hf_model  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def _adapter(config, rank, seed, modules):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    return LoraAdapter({(layer, m): (torch.randn(rank, shapes[m][0], generator=generator),
+                                     torch.randn(shapes[m][1], rank, generator=generator))
+                        for layer in range(config.num_hidden_layers) for m in modules})
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_slot_kernels_give_the_torch_paths_deltas(staged):
+    config = ModelConfig.from_hf_dict(tiny_hf_model("llama3").config.to_dict())
+    loras = [CachedLora(1, 101, _adapter(config, 8, 1, list(module_shapes(config)))),
+             CachedLora(2, 102, _adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]))]
+    rows = [None, loras[0], loras[1], loras[0], None]
+    counts = [3, 1, 5, 2, 1]  # a prompt chunk, decode rows, a longer chunk
+    slots = LoraSlots(config, 3, 8, torch.float32, torch.device("cpu"))
+    token_slots = slots.token_slots(rows, counts)
+    if staged:  # a graph's static buffers, sized for more tokens than the step has
+        buffers = SegmentBuffers(32, slots.num_slots, 16, torch.device("cpu"))
+        buffers.stage(token_slots)
+        segments = buffers.segments(32)
+    else:
+        segments = eager_segments(token_slots, slots.num_slots, torch.device("cpu"))
+    kernels = SlotBatch(slots, segments)
+    reference = LoraDeviceCache(3, torch.float32, torch.device("cpu")).batch(rows, counts)
+    shapes = module_shapes(config)
+    generator = torch.Generator().manual_seed(3)
+    num_tokens = sum(counts)
+    for layer in range(config.num_hidden_layers):
+        for parts in GROUPS.values():
+            widths = [shapes[m][1] for m in parts]
+            x = torch.randn(num_tokens, shapes[parts[0]][0], generator=generator)
+            y = torch.randn(num_tokens, sum(widths), generator=generator)
+            want, got = y.clone(), y.clone()
+            reference.apply(layer, tuple(zip(parts, widths)), x, want)
+            kernels.apply(layer, tuple(zip(parts, widths)), x, got)
+            # Both are fp32 sums of the same products in other orders: a few ulps of their
+            # magnitude (|x| |A| |B| summed over the input width and the rank).
+            scale = float((x.abs().max() ** 2) * shapes[parts[0]][0] * 8 + y.abs().max())
+            torch.testing.assert_close(got, want, rtol=0, atol=64 * 2.0 ** -23 * scale)
+            base = [i for i, slot in enumerate(token_slots) if slot < 0]
+            assert torch.equal(got[base], y[base])

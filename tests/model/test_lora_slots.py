@@ -13,12 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
-from inflight.lora.adapter import LoraAdapter, module_shapes  # noqa: E402
-from inflight.lora.batch import LoraDeviceCache  # noqa: E402
-from inflight.lora.cache import CachedLora  # noqa: E402
-from inflight.lora.slots import GROUPS, LoraSlots, SegmentBuffers, SlotBatch, eager_segments  # noqa: E402
-from inflight.model.config import ModelConfig  # noqa: E402
-from tools.checkpoints import tiny_hf_model  # noqa: E402
+from inflight.lora.adapter import LoraAdapter, module_shapes
+from inflight.lora.batch import LoraDeviceCache
+from inflight.lora.cache import CachedLora
+from inflight.lora.slots import GROUPS, LoraSlots, SegmentBuffers, SlotBatch, eager_segments
+from inflight.model.config import ModelConfig
+from tools.checkpoints import tiny_hf_model
 
 pytest.importorskip("triton")
 

@@ -38,24 +38,25 @@ def test_slot_kernels_give_the_torch_paths_deltas(staged):
              CachedLora(2, 102, _adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]))]
     rows = [None, loras[0], loras[1], loras[0], None]
     counts = [3, 1, 5, 2, 1]  # a prompt chunk, decode rows, a longer chunk
-    slots = LoraSlots(config, 3, 8, torch.float32, torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    slots = LoraSlots(config, 3, 8, torch.float32, device)
     token_slots = slots.token_slots(rows, counts)
     if staged:  # a graph's static buffers, sized for more tokens than the step has
-        buffers = SegmentBuffers(32, slots.num_slots, 16, torch.device("cpu"))
+        buffers = SegmentBuffers(32, slots.num_slots, 16, device)
         buffers.stage(token_slots)
         segments = buffers.segments(32)
     else:
-        segments = eager_segments(token_slots, slots.num_slots, torch.device("cpu"))
+        segments = eager_segments(token_slots, slots.num_slots, device)
     kernels = SlotBatch(slots, segments)
-    reference = LoraDeviceCache(3, torch.float32, torch.device("cpu")).batch(rows, counts)
+    reference = LoraDeviceCache(3, torch.float32, device).batch(rows, counts)
     shapes = module_shapes(config)
     generator = torch.Generator().manual_seed(3)
     num_tokens = sum(counts)
     for layer in range(config.num_hidden_layers):
         for parts in GROUPS.values():
             widths = [shapes[m][1] for m in parts]
-            x = torch.randn(num_tokens, shapes[parts[0]][0], generator=generator)
-            y = torch.randn(num_tokens, sum(widths), generator=generator)
+            x = torch.randn(num_tokens, shapes[parts[0]][0], generator=generator).to(device)
+            y = torch.randn(num_tokens, sum(widths), generator=generator).to(device)
             want, got = y.clone(), y.clone()
             reference.apply(layer, tuple(zip(parts, widths)), x, want)
             kernels.apply(layer, tuple(zip(parts, widths)), x, got)

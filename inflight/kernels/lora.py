@@ -293,8 +293,9 @@ def expand_block_n(col_starts: tuple[int, ...], rank: int, dtype: torch.dtype) -
 
 def expand_block_m(max_tokens_per_slot: int) -> int:
     """Tokens per expand tile: a segment's B tile is read once per token tile, so long
-    segments (prefill, large batches) take bigger ones; decode segments fit in 16."""
-    return 16 if max_tokens_per_slot <= 16 else 32 if max_tokens_per_slot <= 32 else 64
+    segments (prefill, large batches) take 64; decode segments fit in 16. Two sizes only, the
+    two the CUDA graphs capture, so an eager step compiles no other variant mid-serving."""
+    return 16 if max_tokens_per_slot <= 16 else 64
 
 
 def lora_expand(s: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], sorted_tokens: torch.Tensor,

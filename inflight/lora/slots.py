@@ -53,14 +53,25 @@ class Segments:
     expand_tiles: Any  # TileTable of expand_block_m rows
 
 
+def _aligned(values: list[int]) -> list[int]:
+    """Padded to 16 bytes of int32: each part of the staged buffer starts aligned, and Triton,
+    which specializes a kernel on its pointers' alignment, compiles one variant, the graphs'."""
+    return values + [0] * (-len(values) % 4)
+
+
+def _part_sizes(num_tokens: int, num_slots: int, shrink_max: int, expand_max: int) -> list[int]:
+    return [len(_aligned([0] * n)) for n in (num_tokens, num_slots + 1, 1 + 2 * shrink_max, 1 + 2 * expand_max)]
+
+
 def _host_segments(token_slots: list[int], num_slots: int, shrink_max: int, expand_block_m: int,
                    expand_max: int) -> tuple[list[int], int]:
-    """(sorted tokens + slot starts + both tile tables as one int32 list, number of sorted tokens)."""
+    """(sorted tokens + slot starts + both tile tables as one int32 list, each part 16-byte
+    aligned; the number of sorted tokens)."""
     from inflight.kernels.lora import BLOCK_M, lora_segments, lora_tiles
 
     sorted_tokens, starts, _ = lora_segments(token_slots, num_slots)
-    values = sorted_tokens + starts + lora_tiles(starts, BLOCK_M, shrink_max) + \
-        lora_tiles(starts, expand_block_m, expand_max)
+    values = _aligned(sorted_tokens) + _aligned(starts) + _aligned(lora_tiles(starts, BLOCK_M, shrink_max)) + \
+        _aligned(lora_tiles(starts, expand_block_m, expand_max))
     return values, len(sorted_tokens)
 
 
@@ -74,9 +85,10 @@ def eager_segments(token_slots: list[int], num_slots: int, device: torch.device)
     shrink_max, expand_max = max_tiles_for(num_tokens, num_slots, BLOCK_M), max_tiles_for(num_tokens, num_slots, block_m)
     values, m = _host_segments(token_slots, num_slots, shrink_max, block_m, expand_max)
     staged = to_device(torch.tensor(values, dtype=torch.int32), device)
-    views = staged.split([m, num_slots + 1, 1 + 2 * shrink_max, 1 + 2 * expand_max])
-    return Segments(views[0], views[1], max(longest, 1), TileTable(views[2], shrink_max, BLOCK_M),
-                    TileTable(views[3], expand_max, block_m))
+    views = staged.split(_part_sizes(m, num_slots, shrink_max, expand_max))
+    return Segments(views[0][:m], views[1][:num_slots + 1], max(longest, 1),
+                    TileTable(views[2][:1 + 2 * shrink_max], shrink_max, BLOCK_M),
+                    TileTable(views[3][:1 + 2 * expand_max], expand_max, block_m))
 
 
 class SegmentBuffers:
@@ -90,7 +102,7 @@ class SegmentBuffers:
         self.num_slots, self.expand_block_m = num_slots, expand_block_m
         self.shrink_max = max_tiles_for(max_tokens, num_slots, BLOCK_M)
         self.expand_max = max_tiles_for(max_tokens, num_slots, expand_block_m)
-        self.sizes = [max_tokens, num_slots + 1, 1 + 2 * self.shrink_max, 1 + 2 * self.expand_max]
+        self.sizes = _part_sizes(max_tokens, num_slots, self.shrink_max, self.expand_max)
         self.buffer = torch.zeros(sum(self.sizes), dtype=torch.int32, device=device)
         self.views = self.buffer.split(self.sizes)
 
@@ -99,7 +111,7 @@ class SegmentBuffers:
 
         shrink_max = max_tiles_for(num_tokens, self.num_slots, BLOCK_M)
         expand_max = max_tiles_for(num_tokens, self.num_slots, self.expand_block_m)
-        return Segments(self.views[0][:num_tokens], self.views[1], num_tokens,
+        return Segments(self.views[0][:num_tokens], self.views[1][:self.num_slots + 1], num_tokens,
                         TileTable(self.views[2][:1 + 2 * shrink_max], shrink_max, BLOCK_M),
                         TileTable(self.views[3][:1 + 2 * expand_max], expand_max, self.expand_block_m))
 
@@ -112,7 +124,7 @@ class SegmentBuffers:
         values, m = _host_segments(token_slots, self.num_slots, self.shrink_max, self.expand_block_m,
                                    self.expand_max)
         staged = to_device(torch.tensor(values, dtype=torch.int32), self.buffer.device)
-        parts = staged.split([m, self.num_slots + 1, 1 + 2 * self.shrink_max, 1 + 2 * self.expand_max])
+        parts = staged.split(_part_sizes(m, self.num_slots, self.shrink_max, self.expand_max))
         for view, part in zip(self.views, parts):
             view[:part.shape[0]].copy_(part, non_blocking=True)
 

@@ -67,7 +67,7 @@ ALLOWED = {
     "inflight.distributed": {"ensemble", "inflight.core", *_INFLIGHT_GROUND},
     "inflight.model": {"ensemble", "inflight.kernels", "inflight.distributed", *_INFLIGHT_GROUND},
     "inflight.sampling": {"ensemble", "inflight.core", *_INFLIGHT_GROUND},
-    "inflight.lora": {"ensemble", "inflight.model", *_INFLIGHT_GROUND},
+    "inflight.lora": {"ensemble", "inflight.model", "inflight.kernels", *_INFLIGHT_GROUND},
     "inflight.runner": {"ensemble", "inflight.core", "inflight.model", "inflight.kernels", "inflight.sampling",
                         "inflight.distributed", "inflight.lora", *_INFLIGHT_GROUND},
     "inflight.engine": {"ensemble", "inflight.core", "inflight.sampling", "inflight.runner", "inflight.lora",

@@ -182,8 +182,8 @@ class TileTable:
 
 def max_tiles_for(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Tiles any step of up to `num_tokens` adapted tokens can need: each slot's segment adds at
-    most one partial tile."""
-    return cdiv(num_tokens, block_m) + num_slots
+    most one partial tile, and no tile is empty (a batch-1 graph has one)."""
+    return max(1, min(cdiv(num_tokens, block_m) + num_slots, num_tokens))
 
 
 def lora_tiles(slot_starts: list[int], block_m: int, max_tiles: int) -> list[int]:

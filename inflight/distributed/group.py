@@ -38,6 +38,7 @@ CLOSE_TIMEOUT_S = 30
 # Step messages: a header [kind, payload length] then the payload.
 MSG_STEP = 1
 MSG_STOP = 2
+MSG_LORA = 3  # a LoRA adapter the next step loads: [key, packed adapter] (inflight.lora.adapter)
 
 
 def free_loopback_port() -> int:

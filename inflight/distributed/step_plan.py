@@ -33,16 +33,19 @@ class StepPlan:
     # keeps the sequence's own list, which may hold more; `pack` sends only those).
     block_tables: list[list[int]]
     block_size: int
+    # Each row's LoRA adapter (its cache key; 0: the base model); None when no row has one.
+    lora_keys: list[int] | None = None
 
     @classmethod
-    def from_batch(cls, batch: SchedulerOutput, block_size: int) -> "StepPlan":
+    def from_batch(cls, batch: SchedulerOutput, block_size: int,
+                   lora_keys: list[int] | None = None) -> "StepPlan":
         starts, tokens, sampled, tables = [], [], [], []
         for item in batch.scheduled:
             starts.append(item.start_position)
             tokens.append(item.seq.token_ids[item.start_position:item.context_len])
             sampled.append(item.is_sampled)
             tables.append(item.seq.block_table)
-        return cls(starts, tokens, sampled, tables, block_size)
+        return cls(starts, tokens, sampled, tables, block_size, lora_keys)
 
     @property
     def num_rows(self) -> int:
@@ -56,36 +59,39 @@ class StepPlan:
         """Every row one new token and sampled (the shape CUDA graphs capture)."""
         return all(len(t) == 1 for t in self.tokens) and all(self.sampled)
 
-    # ----- wire format: int64 [4 + 4 B + T + K] --------------------------------------------
+    # ----- wire format: int64 [4 + 4 B + T + K (+ B)] ----------------------------------------
     # header (B, T, K, block_size), starts [B], num_new [B], sampled [B], table lengths [B],
-    # tokens [T], block tables [K]
+    # tokens [T], block tables [K], then each row's LoRA key when any row has one
 
     def pack(self) -> torch.Tensor:
         num_new = [len(t) for t in self.tokens]
         table_lens = [cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
         b, t, k = self.num_rows, sum(num_new), sum(table_lens)
-        out = np.empty(4 + 4 * b + t + k, dtype=np.int64)
+        out = np.empty(4 + 4 * b + t + k + (b if self.lora_keys else 0), dtype=np.int64)
         out[:4] = (b, t, k, self.block_size)
         out[4:4 + 4 * b] = np.array([self.starts, num_new, self.sampled, table_lens],
                                     dtype=np.int64).reshape(-1)
         pos = 4 + 4 * b
         out[pos:pos + t] = [tok for row in self.tokens for tok in row]
-        out[pos + t:] = [blk for row, n in zip(self.block_tables, table_lens) for blk in row[:n]]
+        out[pos + t:pos + t + k] = [blk for row, n in zip(self.block_tables, table_lens) for blk in row[:n]]
+        if self.lora_keys:
+            out[pos + t + k:] = self.lora_keys
         return torch.from_numpy(out)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> "StepPlan":
         values = packed.numpy()
         b, t, k, block_size = (int(v) for v in values[:4])
-        if len(values) != 4 + 4 * b + t + k:
+        if len(values) not in (4 + 4 * b + t + k, 4 + 5 * b + t + k):
             raise ValueError(f"step message of {len(values)} words does not match its header {b, t, k}")
         starts, num_new, sampled, table_lens = values[4:4 + 4 * b].reshape(4, b).tolist()
         pos = 4 + 4 * b
         flat_tokens = values[pos:pos + t].tolist()
-        flat_tables = values[pos + t:].tolist()
+        flat_tables = values[pos + t:pos + t + k].tolist()
+        lora_keys = values[pos + t + k:].tolist() or None
         tokens, tables, i, j = [], [], 0, 0
         for n, m in zip(num_new, table_lens):
             tokens.append(flat_tokens[i:i + n])
             tables.append(flat_tables[j:j + m])
             i, j = i + n, j + m
-        return cls(starts, tokens, [bool(s) for s in sampled], tables, block_size)
+        return cls(starts, tokens, [bool(s) for s in sampled], tables, block_size, lora_keys)

@@ -64,3 +64,48 @@ class LoraAdapter:
             if rank < 1 or (max_rank is not None and rank > max_rank):
                 raise InputError(f"{where}: rank {rank} is outside 1 to {max_rank} "
                                  "(lora_cache_max_adapter_size)")
+
+
+# Tensor parallelism (`inflight.model.sharding`): a column-parallel projection's rank holds rows
+# of its output, so B's rows; a row-parallel one holds columns of its input, so A's columns,
+# its partial delta summed by the projection's all-reduce like the base output.
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard(module: str, a: torch.Tensor, b: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s part of one module's (A, B)."""
+    if size == 1:
+        return a, b
+    if module in _ROW_PARALLEL:
+        width = a.shape[1] // size
+        return a[:, rank * width:(rank + 1) * width], b
+    height = b.shape[0] // size
+    return a, b[rank * height:(rank + 1) * height]
+
+
+def pack_adapter(adapter: LoraAdapter) -> torch.Tensor:
+    """The adapter as one int64 tensor (the ranks' message payload): the entry count, per
+    entry (layer, module index, rank, in, out), then every A and B in fp32, bit for bit."""
+    entries = list(adapter.weights.items())
+    header = [len(entries)]
+    floats = []
+    for (layer, module), (a, b) in entries:
+        header += [layer, MODULES.index(module), a.shape[0], a.shape[1], b.shape[0]]
+        floats += [a.reshape(-1).float(), b.reshape(-1).float()]
+    data = torch.cat(floats) if floats else torch.zeros(0)
+    data = torch.cat([data, data.new_zeros(data.numel() % 2)])  # whole int64 words
+    return torch.cat([torch.tensor(header, dtype=torch.int64), data.view(torch.int64)])
+
+
+def unpack_adapter(packed: torch.Tensor) -> LoraAdapter:
+    count = int(packed[0])
+    header = packed[1:1 + 5 * count].view(count, 5).tolist()
+    data = packed[1 + 5 * count:].view(torch.float32)
+    weights, offset = {}, 0
+    for layer, module, rank, in_features, out_features in header:
+        a = data[offset:offset + rank * in_features].view(rank, in_features)
+        offset += rank * in_features
+        b = data[offset:offset + out_features * rank].view(out_features, rank)
+        offset += out_features * rank
+        weights[(layer, MODULES[module])] = (a, b)
+    return LoraAdapter(weights)

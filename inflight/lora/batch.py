@@ -21,17 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.lora.adapter import shard
 from inflight.lora.cache import CachedLora
 
 DeviceAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoraDeviceCache:
-    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        """`tp_rank` of `tp_size`: keep that tensor-parallel rank's shard of each adapter."""
         self.max_loras = max_loras
         self.dtype = dtype
         self.device = device
+        self.tp = (tp_rank, tp_size)
         self._adapters: OrderedDict[int, DeviceAdapter] = OrderedDict()  # by CachedLora.key
+
+    def resident(self, key: int) -> bool:
+        return key in self._adapters
 
     def batch(self, row_loras: Sequence[CachedLora | None], row_num_tokens: Sequence[int]) -> LoraBatch | None:
         """The step's grouping, its adapters copied to the device first where needed; None when
@@ -64,9 +71,11 @@ class LoraDeviceCache:
                 break
             if key not in needed:
                 del self._adapters[key]
-        self._adapters[lora.key] = {
-            name: (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-            for name, (a, b) in lora.adapter.weights.items()}
+        loaded = {}
+        for name, (a, b) in lora.adapter.weights.items():
+            a, b = shard(name[1], a, b, *self.tp)
+            loaded[name] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        self._adapters[lora.key] = loaded
 
 
 @dataclass(frozen=True)

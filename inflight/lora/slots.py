@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from inflight.lora.adapter import shard
 from inflight.lora.cache import CachedLora
 from inflight.model.config import ModelConfig
 from inflight.platform import to_device
@@ -131,8 +132,10 @@ class SegmentBuffers:
 
 class LoraSlots:
     def __init__(self, config: ModelConfig, num_slots: int, max_adapter_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> None:
+        """`config`: this rank's shard of the model (`shard_config`); adapters are cut to it."""
         self.num_slots = num_slots
+        self.tp = (tp_rank, tp_size)
         self.rank = rank_bound(max_adapter_size)
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -148,6 +151,9 @@ class LoraSlots:
 
         self.layers = [{group: buffers(group) for group in GROUPS} for _ in range(config.num_hidden_layers)]
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # CachedLora.key -> slot, LRU first
+
+    def resident(self, key: int) -> bool:
+        return key in self._slot_of
 
     @property
     def num_bytes(self) -> int:
@@ -187,6 +193,7 @@ class LoraSlots:
                 a[slot].zero_()
                 b[slot].zero_()
         for (index, module), (a, b) in lora.adapter.weights.items():
+            a, b = shard(module, a, b, *self.tp)
             group = GROUP_OF[module]
             stacked_a, stacked_b = self.layers[index][group]
             part = GROUPS[group].index(module)

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from inflight.api.config import ExecutorConfig
 from inflight.distributed.group import (
+    MSG_LORA,
     MSG_STEP,
     MSG_STOP,
     TensorParallel,
@@ -86,6 +87,10 @@ class Ranks:
 
     def send_step(self, plan: StepPlan) -> None:
         self.tp.send_message(MSG_STEP, plan.pack())
+
+    def send_adapter(self, key: int, packed: torch.Tensor) -> None:
+        """A LoRA adapter (`inflight.lora.adapter.pack_adapter`) the next step loads."""
+        self.tp.send_message(MSG_LORA, torch.cat([torch.tensor([key], dtype=torch.int64), packed]))
 
     def kill(self) -> None:
         """Ends the other ranks at once (rank 0's start-up failed: they cannot be told)."""
@@ -206,6 +211,9 @@ def follow(worker) -> None:
         kind, payload = worker.tp.receive_message()
         if kind == MSG_STOP:
             return
+        if kind == MSG_LORA:
+            worker.receive_adapter(int(payload[0]), payload[1:])
+            continue
         if kind != MSG_STEP:
             raise RuntimeError(f"unknown tensor-parallel message kind {kind}")
         worker.launch(StepOrder(StepPlan.unpack(payload)))

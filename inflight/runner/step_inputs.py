@@ -72,7 +72,9 @@ class StepOrder:
     def from_batch(cls, batch: SchedulerOutput, block_size: int, rows: list[SamplingRow],
                    **fields) -> "StepOrder":
         """Rank 0's order for the scheduler's `batch` (`fields`: the other fields)."""
-        plan = StepPlan.from_batch(batch, block_size)
+        loras = fields.get("loras")
+        plan = StepPlan.from_batch(batch, block_size,
+                                   [0 if lora is None else lora.key for lora in loras] if loras else None)
         if plan.num_sampled != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {plan.num_sampled} sampled sequences")
         return cls(plan, rows, batch=batch, **fields)

@@ -29,16 +29,18 @@ sampled ids, which every rank's next step may read on its device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping
 
 import torch
 
-from ensemble.errors import ConfigError
 from inflight.api.config import ExecutorConfig
 from inflight.distributed.group import TensorParallel, rank_device
 from inflight.fatal_errors import EngineFatalError
+from inflight.lora.adapter import LoraAdapter, pack_adapter, unpack_adapter
 from inflight.lora.batch import LoraDeviceCache
+from inflight.lora.cache import CachedLora
 from inflight.lora.slots import LoraSlots, SlotBatch, eager_segments
 from inflight.model.attention import AttentionLimits, attention_backend_class, resolve_attention_backend
 from inflight.model.loader import allocate_kv_caches, load_model
@@ -145,17 +147,48 @@ class Worker:
         adapters kept per request for the torch path (`inflight.lora`)."""
         peft = config.peft_cache_config
         self.lora_slots = self.lora_cache = None
+        self._received_adapters: dict[int, LoraAdapter] = {}  # other ranks: sent for the next step
         if peft is None:
             return
-        if self.tp.is_parallel:
-            raise ConfigError("LoRA with tensor_parallel_size > 1 is not built yet")
+        tp = (self.tp.rank, self.tp.size)
         if self.device.type == "cuda" and self.model.packed:
             self.lora_slots = LoraSlots(self.shard_config, peft.max_loras, peft.max_adapter_size, self.dtype,
-                                        self.device)
+                                        self.device, *tp)
             logger.info("LoRA: %d slots of rank up to %d, %.0f MiB", peft.max_loras, self.lora_slots.rank,
                         self.lora_slots.num_bytes / 2**20)
         else:
-            self.lora_cache = LoraDeviceCache(peft.max_loras, self.dtype, self.device)
+            self.lora_cache = LoraDeviceCache(peft.max_loras, self.dtype, self.device, *tp)
+
+    def _lora_store(self):
+        return self.lora_slots if self.lora_slots is not None else self.lora_cache
+
+    def _share_adapters(self, row_loras) -> None:
+        """Rank 0, tensor parallel: the adapters this step loads go to the other ranks first.
+        Every rank's store makes the same choices (the same steps, in order), so an adapter
+        this rank lacks the others lack too."""
+        store = self._lora_store()
+        sent = set()
+        for lora in row_loras:
+            if lora is not None and lora.key not in sent and not store.resident(lora.key):
+                self.ranks.send_adapter(lora.key, pack_adapter(lora.adapter))
+                sent.add(lora.key)
+
+    def receive_adapter(self, key: int, packed: torch.Tensor) -> None:
+        """Another rank: an adapter rank 0 sent for the next step."""
+        self._received_adapters[key] = unpack_adapter(packed)
+
+    def _follower_loras(self, keys: list[int]) -> list:
+        """Another rank: the plan's adapter keys as the rows' adapters (the weights of those
+        this rank's store does not hold yet come from `receive_adapter`)."""
+        store, rows = self._lora_store(), []
+        for key in keys:
+            if key == 0:
+                rows.append(None)
+            elif store.resident(key):
+                rows.append(CachedLora(-1, key, None))
+            else:
+                rows.append(CachedLora(-1, key, self._received_adapters.pop(key)))
+        return rows
 
     def lora_batch(self, row_loras, row_num_tokens):
         """The model's view of a step's adapters (None: no row has one)."""
@@ -185,6 +218,10 @@ class Worker:
     def launch(self, order: StepOrder) -> DeviceSample | None:
         """Queues the step and returns its sample (its tokens still on the device until
         `result()`); None on a tensor-parallel rank other than 0, which samples nothing."""
+        if order.plan.lora_keys and order.loras is None:  # another rank: rank 0 sent the plan alone
+            order = dataclasses.replace(order, loras=self._follower_loras(order.plan.lora_keys))
+        if self.ranks is not None and order.loras:
+            self._share_adapters(order.loras)
         step = self.prepare_inputs(order)  # a bad step fails here, before the other ranks run it
         if self.ranks is not None:
             if order.context_logits:

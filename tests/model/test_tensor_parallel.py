@@ -209,3 +209,47 @@ def test_step_plan_round_trip():
     longer = StepPlan(plan.starts, plan.tokens, plan.sampled, [[3, 9], [1, 4, 8, 2, 6, 11, 5], [0, 1]], 8)
     assert StepPlan.unpack(longer.pack()) == plan
     assert StepPlan.unpack(StepPlan([], [], [], [], 8).pack()).num_rows == 0
+
+
+@pytest.mark.timeout(240)
+def test_tp2_with_lora_adapters_matches_tp1(checkpoint, monkeypatch):
+    """Two adapters (all seven projections; q/v/down only) and the base model in one batch:
+    rank 0 sends each adapter to rank 1 before the first step that loads it, every rank keeps its
+    shard (B's rows for column-parallel projections, A's columns for row-parallel ones), and the
+    tokens equal tp=1's. A second round sends the ids alone: the ranks' stores already hold them."""
+    from inflight.api.config import PeftCacheConfig
+    from inflight.api.types import LoraConfig
+    from inflight.lora.adapter import LoraAdapter, module_shapes
+    from inflight.lora.nvidia import to_nvidia
+
+    monkeypatch.setenv("INFLIGHT_TP_TIMEOUT_S", "60")
+    config = ModelConfig.from_dir(checkpoint)
+    shapes = module_shapes(config)
+    generator = torch.Generator().manual_seed(5)
+
+    def adapter(rank, modules):
+        return LoraAdapter({(layer, m): (torch.randn(rank, shapes[m][0], generator=generator) * 0.3,
+                                         torch.randn(shapes[m][1], rank, generator=generator) * 0.3)
+                            for layer in range(config.num_hidden_layers) for m in modules})
+
+    rows = [to_nvidia(adapter(4, list(shapes)), "float32"), to_nvidia(adapter(8, ["q_proj", "v_proj", "down_proj"]),
+                                                                       "float32")]
+    tasks = [1, None, 2, 1]
+
+    def generate(engine, with_weights):
+        requests = []
+        for prompt, n, task in zip(PROMPTS, MAX_TOKENS, tasks):
+            request = gen_request(prompt, n)
+            if task is not None:
+                request.lora_config = LoraConfig(task, *rows[task - 1]) if with_weights else LoraConfig(task)
+            requests.append(request)
+        return [output_tokens(r) for r in run(engine, requests)]
+
+    peft = PeftCacheConfig(max_loras=2, max_adapter_size=8)
+    want = generate(_engine(checkpoint, 1, peft_cache_config=peft), True)
+    engine = _engine(checkpoint, 2, peft_cache_config=peft)
+    try:
+        assert generate(engine, True) == want
+        assert generate(engine, False) == want
+    finally:
+        engine.close()

@@ -7,6 +7,9 @@ follow it alike (they receive the plan alone). The step goes
   and mixed steps that fit a token bucket (and ask for no prompt logits), or
 - into a `StepMetadata`, from which the attention backend builds its own, for an eager step.
 
+A step whose rows use LoRA adapters also stages each token's adapter slot: into its graph's
+static segments (the LoRA twin of the graph replays), or into the eager step's `lora` batch.
+
 A row's last token may be a placeholder `-(1 + i)`: "sampled row i of the previous step", whose
 id is still on the device (overlapped steps). The metadata records it as a pending copy from
 the worker's `sampled_ids`, made on the device before the forward pass.

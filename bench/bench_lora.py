@@ -33,20 +33,7 @@ from bench_gpu_runs import free_memory, random_prompts, run_engine
 
 from inflight.api.config import PeftCacheConfig
 from inflight.api.types import LoraConfig
-from inflight.lora.adapter import MODULES, LoraAdapter, module_shapes
-
-
-def random_adapter(config, rank: int, seed: int, dtype: torch.dtype) -> LoraAdapter:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    weights = {}
-    for layer in range(config.num_hidden_layers):
-        for module in MODULES:
-            in_features, out_features = shapes[module]
-            a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
-            b = torch.randn(out_features, rank, generator=generator) / rank ** 0.5
-            weights[(layer, module)] = (a.to(dtype), b.to(dtype))
-    return LoraAdapter(weights)
+from tools.checkpoints import random_lora_adapter
 
 
 def measure(engine, vocab: int, args, loras: list | None, label: str) -> dict:
@@ -119,7 +106,7 @@ def main(argv=None) -> int:
     log(f"LoRA engine started in {start_s:.0f} s; slots {engine.worker.lora_slots.num_bytes / 2**20:.0f} MiB"
         if engine.worker.lora_slots is not None else f"LoRA engine started in {start_s:.0f} s (torch path)")
     for task_id in range(1, args.adapters + 1):
-        engine.loras.put(task_id, random_adapter(engine.model_config, args.rank, task_id, dtype))
+        engine.loras.put(task_id, random_lora_adapter(engine.model_config, args.rank, task_id, dtype=dtype))
     rows.append(measure(engine, vocab, args, None, "base, LoRA on"))
     rows.append(measure(engine, vocab, args, list(range(1, args.adapters + 1)), "adapters"))
     engine.close()

@@ -216,19 +216,13 @@ class CallStream:
 
     def _call(self, before: str, body: str) -> tuple[str, str] | None:
         """(name, arguments JSON) of one complete object, or None if it is no call."""
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
+        value = _json(body)
         if not isinstance(value, dict):
             return None
         if isinstance(value.get("name"), str):
             arguments = value.get("arguments", value.get("parameters", {}))
             if isinstance(arguments, str):  # some models write the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    return None
+                arguments = _json(arguments)
             if not isinstance(arguments, dict):
                 return None
             self._keep_text(before)
@@ -239,6 +233,14 @@ class CallStream:
             name = before.strip(" \n,;[]")
             if re.fullmatch(r"[A-Za-z_][\w.\-]*", name):
                 return name, json.dumps(value, ensure_ascii=False)
+        return None
+
+
+def _json(text: str):
+    """The JSON value of `text`, or None if it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
         return None
 
 

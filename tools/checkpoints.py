@@ -50,3 +50,21 @@ def save_tiny_checkpoint(kind: str, path: Path) -> torch.nn.Module:
     model = tiny_hf_model(kind)
     model.save_pretrained(path)
     return model
+
+
+def random_lora_adapter(config, rank: int, seed: int, modules=None, dtype: torch.dtype = torch.float32):
+    """A random LoRA adapter (`inflight.lora.adapter.LoraAdapter`) for a model of `config` on
+    every layer's `modules` (default all seven): A ~ N(0, 1/in), B ~ N(0, 1/rank), so a delta
+    is of the order of its input, big enough to change greedy answers. Benchmarks and tests."""
+    from inflight.lora.adapter import MODULES, LoraAdapter, module_shapes
+
+    generator = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for module in modules or MODULES:
+            in_features, out_features = shapes[module]
+            a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
+            b = torch.randn(out_features, rank, generator=generator) / rank ** 0.5
+            weights[(layer, module)] = (a.to(dtype), b.to(dtype))
+    return LoraAdapter(weights)

@@ -5,32 +5,17 @@ batch mixing the base model and two adapters, with more rows than one graph buck
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, PeftCacheConfig
 from inflight.api.types import LoraConfig
 from inflight.engine.llm_engine import LLMEngine
-from inflight.lora.adapter import LoraAdapter, module_shapes
 from inflight.lora.nvidia import to_nvidia
 from inflight.model.config import ModelConfig
 from tests.model.engine_utils import DEFAULT_KV, RecordLogits, gen_request, output_tokens, run
 from tests.model.tolerances import fp32_noise_bound
-from tools.checkpoints import save_tiny_checkpoint
+from tools.checkpoints import random_lora_adapter, save_tiny_checkpoint
 
 PEFT = PeftCacheConfig(max_loras=2, max_adapter_size=8)
-
-
-def _adapter(config: ModelConfig, rank: int, seed: int, modules) -> LoraAdapter:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    weights = {}
-    for layer in range(config.num_hidden_layers):
-        for module in modules:
-            in_features, out_features = shapes[module]
-            a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
-            b = torch.randn(out_features, rank, generator=generator) / rank ** 0.5
-            weights[(layer, module)] = (a, b)
-    return LoraAdapter(weights)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +27,8 @@ def folder(tmp_path_factory):
 
 def test_graphs_and_eager_steps_give_the_cpu_engines_tokens(folder):
     config = ModelConfig.from_dir(folder)
-    rows = [to_nvidia(_adapter(config, 8, 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                "down_proj"]), dtype="float32"),
-            to_nvidia(_adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]), dtype="float32")]
+    rows = [to_nvidia(random_lora_adapter(config, 8, 1), dtype="float32"),
+            to_nvidia(random_lora_adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]), dtype="float32")]
     prompts = [[1 + (7 * i + j) % 200 for j in range(5 + i)] for i in range(6)]
     loras = [None, 1, 2, 1, None, 2]
 

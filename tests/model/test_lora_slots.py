@@ -13,29 +13,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
-from inflight.lora.adapter import LoraAdapter, module_shapes
+from inflight.lora.adapter import module_shapes
 from inflight.lora.batch import LoraDeviceCache
 from inflight.lora.cache import CachedLora
 from inflight.lora.slots import GROUPS, LoraSlots, SegmentBuffers, SlotBatch, eager_segments
 from inflight.model.config import ModelConfig
-from tools.checkpoints import tiny_hf_model
+from tools.checkpoints import random_lora_adapter, tiny_hf_model
 
 pytest.importorskip("triton")
-
-
-def _adapter(config, rank, seed, modules):
-    generator = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    return LoraAdapter({(layer, m): (torch.randn(rank, shapes[m][0], generator=generator),
-                                     torch.randn(shapes[m][1], rank, generator=generator))
-                        for layer in range(config.num_hidden_layers) for m in modules})
 
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_slot_kernels_give_the_torch_paths_deltas(staged):
     config = ModelConfig.from_hf_dict(tiny_hf_model("llama3").config.to_dict())
-    loras = [CachedLora(1, 101, _adapter(config, 8, 1, list(module_shapes(config)))),
-             CachedLora(2, 102, _adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]))]
+    loras = [CachedLora(1, 101, random_lora_adapter(config, 8, 1)),
+             CachedLora(2, 102, random_lora_adapter(config, 4, 2, ["q_proj", "v_proj", "down_proj"]))]
     rows = [None, loras[0], loras[1], loras[0], None]
     counts = [3, 1, 5, 2, 1]  # a prompt chunk, decode rows, a longer chunk
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

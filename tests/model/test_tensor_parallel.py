@@ -219,21 +219,13 @@ def test_tp2_with_lora_adapters_matches_tp1(checkpoint, monkeypatch):
     tokens equal tp=1's. A second round sends the ids alone: the ranks' stores already hold them."""
     from inflight.api.config import PeftCacheConfig
     from inflight.api.types import LoraConfig
-    from inflight.lora.adapter import LoraAdapter, module_shapes
     from inflight.lora.nvidia import to_nvidia
+    from tools.checkpoints import random_lora_adapter
 
     monkeypatch.setenv("INFLIGHT_TP_TIMEOUT_S", "60")
     config = ModelConfig.from_dir(checkpoint)
-    shapes = module_shapes(config)
-    generator = torch.Generator().manual_seed(5)
-
-    def adapter(rank, modules):
-        return LoraAdapter({(layer, m): (torch.randn(rank, shapes[m][0], generator=generator) * 0.3,
-                                         torch.randn(shapes[m][1], rank, generator=generator) * 0.3)
-                            for layer in range(config.num_hidden_layers) for m in modules})
-
-    rows = [to_nvidia(adapter(4, list(shapes)), "float32"), to_nvidia(adapter(8, ["q_proj", "v_proj", "down_proj"]),
-                                                                       "float32")]
+    rows = [to_nvidia(random_lora_adapter(config, 4, 5), "float32"),
+            to_nvidia(random_lora_adapter(config, 8, 6, ["q_proj", "v_proj", "down_proj"]), "float32")]
     tasks = [1, None, 2, 1]
 
     def generate(engine, with_weights):

@@ -33,7 +33,11 @@ from inflight.model.attention import torch_ref  # noqa: E402
 from inflight.model.quantization import fp8  # noqa: E402
 from tests.model.engine_utils import RecordLogits, gen_request, make_engine, output_tokens, run  # noqa: E402
 from tests.model.test_fp8_checkpoints import PROMPT  # noqa: E402
-from tests.model.tolerances import fp32_noise_bound, logits_tolerance  # noqa: E402
+from tests.model.tolerances import (  # noqa: E402
+    assert_same_tokens_but_at_a_tie,
+    fp32_noise_bound,
+    logits_tolerance,
+)
 
 FP8_KV = torch.float8_e4m3fn
 # The Triton kernels run compiled where there is CUDA, else under the interpreter on the CPU.
@@ -142,14 +146,10 @@ def test_engine_with_an_fp8_cache_holds_more_and_decodes_the_rounded_values(fold
                                                             for p, rec in zip(prompts, recorders)])]
     config = ckpt.TINY_COMMON
     for ref, rec, responses in zip(refs, recorders, run(engines["fp8"], [gen_request(p, 10) for p in prompts])):
-        tokens = output_tokens(responses)
-        for step, (a, b) in enumerate(zip(tokens, ref)):
-            if a != b:  # only at a tie within fp32 noise, and then the rest may differ
-                logits = rec.logits[step].float()
-                top2 = logits.topk(2).values
-                noise = fp32_noise_bound(config["num_hidden_layers"], config["hidden_size"], float(logits.abs().max()))
-                assert float(top2[0] - top2[1]) <= 2 * noise, (tokens, ref)
-                break
+        assert_same_tokens_but_at_a_tie(
+            output_tokens(responses), ref, rec.logits,
+            lambda logits: 2 * fp32_noise_bound(config["num_hidden_layers"], config["hidden_size"],
+                                                logits.abs().max().item()))
 
 
 def test_kv_cache_dtype_is_checked():

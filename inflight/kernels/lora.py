@@ -227,6 +227,17 @@ def shrink_split(k: int, block_k: int) -> tuple[int, int]:
     return cdiv(k, per_split), per_split
 
 
+def _shrink_block_k(x: torch.Tensor) -> int:
+    block_k = SHRINK_BLOCK_K_FP32 if x.dtype == torch.float32 else SHRINK_BLOCK_K
+    return max(16, min(block_k, triton.next_power_of_2(x.shape[-1])))
+
+
+def shrink_partials_shape(x: torch.Tensor, a: torch.Tensor) -> tuple[int, int, int]:
+    """The shape of the `out` that lora_shrink allocates for x [T, K] and a [S, P, R, K]:
+    [splits, T, P R] (a caller that allocates it itself, e.g. on another stream, passes it)."""
+    return shrink_split(x.shape[-1], _shrink_block_k(x))[0], x.shape[0], a.shape[1] * a.shape[2]
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor,
                 max_tokens_per_slot: int, out: torch.Tensor | None = None,
                 tiles: TileTable | None = None) -> torch.Tensor:
@@ -251,8 +262,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, s
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("a", a)
     _check_segments(sorted_tokens, slot_starts, num_slots, max_tokens_per_slot, x.device)
-    block_k = SHRINK_BLOCK_K_FP32 if x.dtype == torch.float32 else SHRINK_BLOCK_K
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_k = _shrink_block_k(x)
     splits, per_split = shrink_split(k, block_k) if out is None or out.dim() == 3 else (1, k)
     if out is None:
         out = torch.empty((splits, num_tokens, parts * rank), dtype=torch.float32, device=x.device)

@@ -16,8 +16,9 @@ the step does not need.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,6 +85,12 @@ class LoraBatch:
     every token) per adapter."""
 
     groups: list[tuple[DeviceAdapter, torch.Tensor | None]]
+
+    def project(self, layer: int, parts: Sequence[tuple[str, int]], x: Any, linear: Callable) -> torch.Tensor:
+        """linear(x) plus the adapters' delta (`apply`)."""
+        y = linear(x)
+        self.apply(layer, parts, x, y)
+        return y
 
     def apply(self, layer: int, parts: Sequence[tuple[str, int]], x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, sum of part sizes] += each token's adapter delta of `parts` ((module, out

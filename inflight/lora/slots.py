@@ -17,7 +17,7 @@ within `max_loras` = S.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +150,8 @@ class LoraSlots:
                     torch.zeros(num_slots, self.col_starts[group][-1], self.rank, dtype=dtype, device=device))
 
         self.layers = [{group: buffers(group) for group in GROUPS} for _ in range(config.num_hidden_layers)]
+        # SlotBatch.project's shrinks run here, beside the base GEMMs (CUDA only)
+        self.side_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # CachedLora.key -> slot, LRU first
 
     def resident(self, key: int) -> bool:
@@ -211,22 +213,71 @@ def _starts(widths: list[int]) -> tuple[int, ...]:
 
 
 class SlotBatch:
-    """A step's adapters for the model's projections (`apply`, as `LoraBatch`), through the
-    Triton kernels over `slots` and `segments`."""
+    """A step's adapters for the model's projections (`project` / `apply`, as `LoraBatch`),
+    through the Triton kernels over `slots` and `segments`."""
 
     def __init__(self, slots: LoraSlots, segments: Segments) -> None:
         self.slots = slots
         self.segments = segments
 
-    def apply(self, layer: int, parts: Sequence[tuple[str, int]], x, y: torch.Tensor) -> None:
-        from inflight.kernels import lora_expand, lora_shrink
+    def project(self, layer: int, parts: Sequence[tuple[str, int]], x, linear: Callable) -> torch.Tensor:
+        """linear(x) plus the adapters' delta. On CUDA the shrink runs on the slots' side stream
+        while the base GEMM runs (both read only x; a decode step's shrink is latency-bound), so
+        only the expand waits for the GEMM: one small kernel on the critical path, not two. The
+        fork and join are stream waits, which CUDA graph capture records as graph edges."""
+        side = self.slots.side_stream
+        if side is None:
+            y = linear(x)
+            self.apply(layer, parts, x, y)
+            return y
+        adapter_x = _dequantized(x)  # before the fork: every allocation stays on the main stream
+        a, b, col_starts = self._group(layer, parts)
+        shrunk = _shrink_out(adapter_x, a)
+        main = torch.cuda.current_stream(adapter_x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._shrink(adapter_x, a, shrunk)
+        y = linear(x)
+        main.wait_stream(side)
+        self._expand(shrunk, b, col_starts, y)
+        return y
 
-        if not isinstance(x, torch.Tensor):  # an FP8 projection's QuantizedInput
-            x = (x.q.float() * x.scale).to(x.dtype)
+    def apply(self, layer: int, parts: Sequence[tuple[str, int]], x, y: torch.Tensor) -> None:
+        """y += the adapters' delta of `parts`, x the projection's input (or an FP8 projection's
+        `QuantizedInput`)."""
+        x = _dequantized(x)
+        a, b, col_starts = self._group(layer, parts)
+        self._expand(self._shrink(x, a, _shrink_out(x, a)), b, col_starts, y)
+
+    def _group(self, layer: int, parts: Sequence[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               tuple[int, ...]]:
+        """(a, b, column starts) of the packed projection that `parts` belong to."""
         group = GROUP_OF[parts[0][0]]
-        a, b = self.slots.layers[layer][group]
+        return self.slots.layers[layer][group] + (self.slots.col_starts[group],)
+
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from inflight.kernels import lora_shrink
+
         seg = self.segments
-        shrunk = lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot,
-                             tiles=seg.shrink_tiles)
-        lora_expand(shrunk, b, self.slots.col_starts[group], seg.sorted_tokens, seg.slot_starts,
-                    seg.max_tokens_per_slot, y, tiles=seg.expand_tiles)
+        return lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot, out=out,
+                           tiles=seg.shrink_tiles)
+
+    def _expand(self, shrunk: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], y: torch.Tensor) -> None:
+        from inflight.kernels import lora_expand
+
+        seg = self.segments
+        lora_expand(shrunk, b, col_starts, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot, y,
+                    tiles=seg.expand_tiles)
+
+
+def _dequantized(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    return (x.q.float() * x.scale).to(x.dtype)  # an FP8 projection's QuantizedInput
+
+
+def _shrink_out(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """lora_shrink's split partial sums [splits, T, P R] fp32, allocated on the caller's stream."""
+    from inflight.kernels.lora import shrink_partials_shape
+
+    return torch.empty(shrink_partials_shape(x, a), dtype=torch.float32, device=x.device)

@@ -94,6 +94,12 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
+def _projected(linear: nn.Module, x: Any, lora: Any, layer: int, parts: tuple[tuple[str, int], ...]) -> torch.Tensor:
+    """linear(x), plus the step's adapter deltas of `parts` ((module, output width) in column
+    order) when there are adapters."""
+    return linear(x) if lora is None else lora.project(layer, parts, x, linear)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, pack_projections: bool,
                  ops: TorchOps, tp: TensorParallel) -> None:
@@ -104,7 +110,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
-        hidden = config.hidden_size
+        hidden = self.hidden = config.hidden_size
         bias = config.attention_bias
         self.sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim)
@@ -128,9 +134,8 @@ class Attention(nn.Module):
         `build_metadata` (or `graph_metadata`); `lora`: the step's adapters, `layer` this one's index."""
         num_tokens = x.shape[0]
         if self.packed:
-            qkv = self.qkv_proj(x)  # [T, Hq*D + 2*Hkv*D]
-            if lora is not None:
-                lora.apply(layer, tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes)), x, qkv)
+            qkv = _projected(self.qkv_proj, x, lora, layer,
+                             tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes)))  # [T, Hq*D + 2*Hkv*D]
             q, k, v = qkv.split(self.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -143,9 +148,7 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        projected = self.o_proj(out)  # [T, hidden]
-        if lora is not None:
-            lora.apply(layer, (("o_proj", projected.shape[-1]),), out, projected)
+        projected = _projected(self.o_proj, out, lora, layer, (("o_proj", self.hidden),))  # [T, hidden]
         return self.tp.all_reduce(projected)
 
 
@@ -167,6 +170,7 @@ class MLP(nn.Module):
         self.ops = ops
         self.tp = tp
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.hidden, self.inter = hidden, inter
         self.packed = pack_projections
         if pack_projections:
             self.gate_up_proj = PackedLinear(hidden, (("gate_proj", inter), ("up_proj", inter)),
@@ -192,17 +196,15 @@ class MLP(nn.Module):
         plain one (`ops.silu_and_mul`, not an FP8-writing fusion): the adapters need down_proj's
         input in the activation dtype."""
         if self.packed:
-            gate_up = self.gate_up_proj(x)  # [T, 2I]
-            inter = gate_up.shape[-1] // 2
-            lora.apply(layer, (("gate_proj", inter), ("up_proj", inter)), x, gate_up)
+            parts = (("gate_proj", self.inter), ("up_proj", self.inter))
+            gate_up = lora.project(layer, parts, x, self.gate_up_proj)  # [T, 2I]
             hidden = self.ops.silu_and_mul(gate_up)  # [T, I]
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
             lora.apply(layer, (("gate_proj", gate.shape[-1]),), x, gate)
             lora.apply(layer, (("up_proj", up.shape[-1]),), x, up)
             hidden = F.silu(gate, inplace=True).mul_(up)  # as the base path computes it
-        out = self.down_proj(hidden)
-        lora.apply(layer, (("down_proj", out.shape[-1]),), hidden, out)
+        out = lora.project(layer, (("down_proj", self.hidden),), hidden, self.down_proj)  # [T, hidden]
         return out
 
 

@@ -180,14 +180,16 @@ class Worker:
     def _follower_loras(self, keys: list[int]) -> list:
         """Another rank: the plan's adapter keys as the rows' adapters (the weights of those
         this rank's store does not hold yet come from `receive_adapter`)."""
-        store, rows = self._lora_store(), []
+        store, rows, received = self._lora_store(), [], {}
         for key in keys:
             if key == 0:
                 rows.append(None)
             elif store.resident(key):
                 rows.append(CachedLora(-1, key, None))
-            else:
-                rows.append(CachedLora(-1, key, self._received_adapters.pop(key)))
+            else:  # sent once, however many of the step's rows use it
+                if key not in received:
+                    received[key] = self._received_adapters.pop(key)
+                rows.append(CachedLora(-1, key, received[key]))
         return rows
 
     def lora_batch(self, row_loras, row_num_tokens):

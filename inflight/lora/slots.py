@@ -262,7 +262,8 @@ class SlotBatch:
         return lora_shrink(x, a, seg.sorted_tokens, seg.slot_starts, seg.max_tokens_per_slot, out=out,
                            tiles=seg.shrink_tiles)
 
-    def _expand(self, shrunk: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...], y: torch.Tensor) -> None:
+    def _expand(self, shrunk: torch.Tensor, b: torch.Tensor, col_starts: tuple[int, ...],
+                y: torch.Tensor) -> None:
         from inflight.kernels import lora_expand
 
         seg = self.segments

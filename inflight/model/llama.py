@@ -94,7 +94,8 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
-def _projected(linear: nn.Module, x: Any, lora: Any, layer: int, parts: tuple[tuple[str, int], ...]) -> torch.Tensor:
+def _projected(linear: nn.Module, x: Any, lora: Any, layer: int,
+               parts: tuple[tuple[str, int], ...]) -> torch.Tensor:
     """linear(x), plus the step's adapter deltas of `parts` ((module, output width) in column
     order) when there are adapters."""
     return linear(x) if lora is None else lora.project(layer, parts, x, linear)

@@ -86,8 +86,10 @@ class LoraBatch:
 
     groups: list[tuple[DeviceAdapter, torch.Tensor | None]]
 
-    def project(self, layer: int, parts: Sequence[tuple[str, int]], x: Any, linear: Callable) -> torch.Tensor:
-        """linear(x) plus the adapters' delta (`apply`)."""
+    def project(self, layer: int, parts: Sequence[tuple[str, int]], x: Any, linear: Callable,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(x) plus the adapters' delta (`apply`); `residual` (see `SlotBatch.project`) is
+        not used: the delta goes into the result."""
         y = linear(x)
         self.apply(layer, parts, x, y)
         return y

@@ -220,11 +220,15 @@ class SlotBatch:
         self.slots = slots
         self.segments = segments
 
-    def project(self, layer: int, parts: Sequence[tuple[str, int]], x, linear: Callable) -> torch.Tensor:
+    def project(self, layer: int, parts: Sequence[tuple[str, int]], x, linear: Callable,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """linear(x) plus the adapters' delta. On CUDA the shrink runs on the slots' side stream
         while the base GEMM runs (both read only x; a decode step's shrink is latency-bound), so
-        only the expand waits for the GEMM: one small kernel on the critical path, not two. The
-        fork and join are stream waits, which CUDA graph capture records as graph edges."""
+        only the expand waits for the GEMM: one small kernel on the critical path, not two.
+        `residual`: a tensor that the result is added to next and that nothing reads or writes
+        until then (the residual stream, for o_proj and down_proj at tensor-parallel size 1):
+        the expand adds the delta there, on the side stream too, and neither kernel waits for
+        the GEMM. The fork and join are stream waits, which CUDA graph capture records as edges."""
         side = self.slots.side_stream
         if side is None:
             y = linear(x)
@@ -237,9 +241,12 @@ class SlotBatch:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self._shrink(adapter_x, a, shrunk)
+            if residual is not None:
+                self._expand(shrunk, b, col_starts, residual)
         y = linear(x)
         main.wait_stream(side)
-        self._expand(shrunk, b, col_starts, y)
+        if residual is None:
+            self._expand(shrunk, b, col_starts, y)
         return y
 
     def apply(self, layer: int, parts: Sequence[tuple[str, int]], x, y: torch.Tensor) -> None:

@@ -129,10 +129,11 @@ class Attention(nn.Module):
         # set by the loader, else 1.0); a cache in the model's dtype ignores them.
         self.kv_scales = (1.0, 1.0)
 
-    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor,
-                attn_metadata: Any, lora: Any = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: torch.Tensor, attn_metadata: Any, lora: Any = None,
+                layer: int = 0, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`rope` comes from `ops.rope_context`; `attn_metadata` from the backend's
-        `build_metadata` (or `graph_metadata`); `lora`: the step's adapters, `layer` this one's index."""
+        `build_metadata` (or `graph_metadata`); `lora`: the step's adapters, `layer` this one's
+        index, `residual` the stream this layer's output is added to next (`SlotBatch.project`)."""
         num_tokens = x.shape[0]
         if self.packed:
             qkv = _projected(self.qkv_proj, x, lora, layer,
@@ -149,7 +150,11 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        projected = _projected(self.o_proj, out, lora, layer, (("o_proj", self.hidden),))  # [T, hidden]
+        if lora is None:
+            projected = self.o_proj(out)  # [T, hidden]
+        else:
+            projected = lora.project(layer, (("o_proj", self.hidden),), out, self.o_proj,
+                                     None if self.tp.is_parallel else residual)
         return self.tp.all_reduce(projected)
 
 
@@ -182,9 +187,10 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, lora: Any = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None, layer: int = 0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         if lora is not None:
-            return self.tp.all_reduce(self._forward_lora(x, lora, layer))
+            return self.tp.all_reduce(self._forward_lora(x, lora, layer, residual))
         if self.packed:
             out = self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
         else:
@@ -192,10 +198,11 @@ class MLP(nn.Module):
             out = self.down_proj(gate.mul_(self.up_proj(x)))
         return self.tp.all_reduce(out)
 
-    def _forward_lora(self, x: torch.Tensor, lora: Any, layer: int) -> torch.Tensor:
+    def _forward_lora(self, x: torch.Tensor, lora: Any, layer: int,
+                      residual: torch.Tensor | None) -> torch.Tensor:
         """The MLP with the step's adapter deltas on gate/up and down. The activation is the
         plain one (`ops.silu_and_mul`, not an FP8-writing fusion): the adapters need down_proj's
-        input in the activation dtype."""
+        input in the activation dtype. `residual`: as `Attention.forward`'s."""
         if self.packed:
             parts = (("gate_proj", self.inter), ("up_proj", self.inter))
             gate_up = lora.project(layer, parts, x, self.gate_up_proj)  # [T, 2I]
@@ -205,8 +212,8 @@ class MLP(nn.Module):
             lora.apply(layer, (("gate_proj", gate.shape[-1]),), x, gate)
             lora.apply(layer, (("up_proj", up.shape[-1]),), x, up)
             hidden = F.silu(gate, inplace=True).mul_(up)  # as the base path computes it
-        out = lora.project(layer, (("down_proj", self.hidden),), hidden, self.down_proj)  # [T, hidden]
-        return out
+        return lora.project(layer, (("down_proj", self.hidden),), hidden, self.down_proj,
+                            None if self.tp.is_parallel else residual)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -233,9 +240,9 @@ class DecoderLayer(nn.Module):
             hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata)
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
-        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata, lora, self.index)
+        hidden = self.self_attn(hidden, rope, kv_cache, attn_metadata, lora, self.index, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, lora, self.index), residual
+        return self.mlp(hidden, lora, self.index, residual), residual
 
 
 class LlamaModel(nn.Module):

@@ -196,6 +196,46 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
+class NgramConfig:
+    """The n-gram drafter (`inflight.core.ngram`). Prompt lookup: the longest suffix of the tokens so far, of max_ngram down to min_ngram
+    tokens, found earlier in them; the tokens that followed its most recent earlier occurrence
+    are the draft (at most max_draft_tokens).
+
+    Defaults elsewhere, for comparison: TensorRT-LLM's `NGramDecodingConfig` documents
+    `max_matching_ngram_size` = 2 (not 4) with `is_use_oldest` = True (the oldest match wins
+    there, the newest here); vLLM's `ngram` method sets `prompt_lookup_min` = `prompt_lookup_max`
+    = 5 when neither is given. 4 down to 1 here: the longest match is tried first, so a larger
+    max_ngram only costs a lookup, and min_ngram 1 still drafts on a single repeated token.
+    """
+
+    max_draft_tokens: int = 4
+    max_ngram: int = 4
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.max_draft_tokens >= 1, f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        _check(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")
+        _check(self.max_ngram >= self.min_ngram,
+               f"max_ngram must be >= min_ngram ({self.min_ngram}), got {self.max_ngram}")
+
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding. A draft sent with a request (`draft_input_ids`, TensorRT-LLM's
+    external draft tokens) is verified in the request's next step whenever one comes; `ngram`
+    turns on the engine's own drafter (prompt lookup) for plain greedy requests. Either way
+    the output is what decoding without the draft would give, token for token."""
+
+    # The longest draft a request may send (TensorRT-LLM's engine limit, max_draft_len).
+    max_draft_tokens: int = 16
+    ngram: NgramConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_draft_tokens >= 0, f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+
+
+@dataclass(frozen=True)
 class PeftCacheConfig:
     """LoRA serving (TensorRT-LLM's `PeftCacheConfig`; the tensorrt_llm parameters `lora_cache_*`).
 
@@ -269,6 +309,7 @@ class ExecutorConfig:
     guided_decoding_config: GuidedDecodingConfig | None = None
     # None: LoRA off (a request with lora_task_id is refused).
     peft_cache_config: PeftCacheConfig | None = None
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _check(self.max_beam_width >= 1, f"max_beam_width must be >= 1, got {self.max_beam_width}")

@@ -172,6 +172,18 @@ class LoraConfig:
     config: Any | None = None
 
 
+@dataclass
+class ExternalDraftTokensConfig:
+    """TensorRT-LLM's `executor.ExternalDraftTokensConfig`: draft tokens for the request's next
+    step (a draft model's guess at what follows its input), verified against the model there.
+    `logits` [num_draft_tokens, vocab] and `acceptance_threshold` (0, 1] are for sampling
+    with the drafter's distribution."""
+
+    tokens: list[int]
+    logits: Any | None = None
+    acceptance_threshold: float | None = None
+
+
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
 
@@ -209,6 +221,7 @@ class Request:
     stop_words: list[list[int]] | None = None
     embedding_bias: Any | None = None  # [vocab_size] floats (list, numpy array or tensor)
     lora_config: LoraConfig | None = None
+    external_draft_tokens_config: ExternalDraftTokensConfig | None = None
     guided_decoding_params: GuidedDecodingParams | None = None
     client_id: int | None = None
     # Offline-API extension points (see inflight.hosts.runtime); not part of TensorRT-LLM's Request.

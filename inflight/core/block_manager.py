@@ -94,7 +94,8 @@ class BlockManager:
         """
         if seq.block_table:
             raise RuntimeError(f"request {seq.request_id}: allocate_prefix needs an empty block table")
-        max_num_blocks = max((seq.num_tokens - 1) // self.block_size, 0)
+        # the last verified token and any draft after it are computed (their logits are read)
+        max_num_blocks = max((seq.num_tokens - seq.num_draft_tokens - 1) // self.block_size, 0)
         num_blocks = 0
         if seq.reuse_prefix:
             num_blocks = self._fork(seq, max_num_blocks)
@@ -185,7 +186,9 @@ class BlockManager:
         if not self.enable_prefix_caching or not seq.block_table:
             return
         hashes = self._seq_hashes.setdefault(seq, [])
-        num_full_blocks = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # a computed draft is not registered: positions the engine rejects are written again
+        num_verified = min(seq.num_computed_tokens, seq.num_tokens - seq.num_draft_tokens)
+        num_full_blocks = min(num_verified // self.block_size, len(seq.block_table))
         for index in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else _root(seq)
             tokens = self._block_tokens(seq, index)

@@ -178,6 +178,15 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, num_budget_tokens: int) -> int:
         """Tokens `seq` computes this step within the budget; 0 means it waits."""
         num_uncomputed = seq.num_uncomputed_tokens
+        if seq.num_draft_tokens and num_uncomputed > num_budget_tokens:
+            # A draft is verified in one step with the last verified token before it (the
+            # logits at each of those positions are compared): a chunk stops short of them, or,
+            # with no room for them at all, the draft goes and the row decodes plainly.
+            num_verified = seq.num_draft_tokens + 1
+            if self.enable_chunked_context and num_uncomputed > num_verified:
+                return min(num_budget_tokens, num_uncomputed - num_verified)
+            seq.drop_draft()
+            num_uncomputed = seq.num_uncomputed_tokens
         if self.enable_chunked_context or num_uncomputed > self.max_num_tokens:
             # The second case is a recompute after preemption that outgrew max_num_tokens: it
             # could never run whole, so it is chunked even without chunked context.
@@ -201,8 +210,9 @@ class Scheduler:
         scheduled = out.scheduled  # `_make_room` edits it in place
         # A copy: `_make_room` may take sequences out of `self.running` while we walk it.
         order = list(self.running)
-        if any(len(s.token_ids) - s.num_computed_tokens > 1 for s in order):
-            order.sort(key=lambda s: len(s.token_ids) - s.num_computed_tokens > 1)  # stable
+        if any(len(s.token_ids) - s.num_computed_tokens - s.num_draft_tokens > 1 for s in order):
+            # stable; a row verifying a draft counts as a decode
+            order.sort(key=lambda s: len(s.token_ids) - s.num_computed_tokens - s.num_draft_tokens > 1)
         for seq in order:
             if num_budget_tokens <= 0:
                 break
@@ -340,6 +350,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.drop_draft()
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

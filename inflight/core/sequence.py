@@ -64,6 +64,10 @@ class Sequence:
     # The LoRA adapter's task id (None: the base model). Its KV differs from the base model's,
     # so its cached prefix blocks are its own, and a step holds at most max_loras adapters.
     lora_id: int | None = None
+    # Speculative decoding: the last `num_draft_tokens` of `token_ids` are a draft, not yet
+    # verified. The step that computes them also computes the last verified token before them,
+    # and samples at each of those positions; the engine then keeps the accepted prefix.
+    num_draft_tokens: int = 0
 
     @property
     def group(self) -> list["Sequence"]:
@@ -105,3 +109,18 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def add_draft(self, draft: list[int]) -> None:
+        """Draft tokens after the last verified one (no draft may be pending)."""
+        if self.num_draft_tokens:
+            raise RuntimeError(f"request {self.request_id}: a draft is already pending")
+        self.token_ids.extend(draft)
+        self.num_draft_tokens = len(draft)
+
+    def drop_draft(self) -> None:
+        """Forget a pending draft that was not computed (the step's budget had no room)."""
+        if self.num_draft_tokens:
+            if self.num_computed_tokens > len(self.token_ids) - self.num_draft_tokens:
+                raise RuntimeError(f"request {self.request_id}: a computed draft cannot be dropped")
+            del self.token_ids[-self.num_draft_tokens:]
+            self.num_draft_tokens = 0

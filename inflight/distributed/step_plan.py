@@ -35,17 +35,21 @@ class StepPlan:
     block_size: int
     # Each row's LoRA adapter (its cache key; 0: the base model); None when no row has one.
     lora_keys: list[int] | None = None
+    # Draft tokens each row verifies: a sampled row then samples its last 1 + k positions
+    # (speculative decoding; one rank only, not in the wire format). None when no row has one.
+    num_drafts: list[int] | None = None
 
     @classmethod
     def from_batch(cls, batch: SchedulerOutput, block_size: int,
                    lora_keys: list[int] | None = None) -> "StepPlan":
-        starts, tokens, sampled, tables = [], [], [], []
+        starts, tokens, sampled, tables, drafts = [], [], [], [], []
         for item in batch.scheduled:
             starts.append(item.start_position)
             tokens.append(item.seq.token_ids[item.start_position:item.context_len])
             sampled.append(item.is_sampled)
             tables.append(item.seq.block_table)
-        return cls(starts, tokens, sampled, tables, block_size, lora_keys)
+            drafts.append(item.seq.num_draft_tokens if item.is_sampled else 0)
+        return cls(starts, tokens, sampled, tables, block_size, lora_keys, drafts if any(drafts) else None)
 
     @property
     def num_rows(self) -> int:
@@ -53,7 +57,8 @@ class StepPlan:
 
     @property
     def num_sampled(self) -> int:
-        return sum(self.sampled)
+        """Positions sampled: one per sampled row, plus the draft tokens the rows verify."""
+        return sum(self.sampled) + (sum(self.num_drafts) if self.num_drafts else 0)
 
     def is_decode(self) -> bool:
         """Every row one new token and sampled (the shape CUDA graphs capture)."""
@@ -64,6 +69,8 @@ class StepPlan:
     # tokens [T], block tables [K], then each row's LoRA key when any row has one
 
     def pack(self) -> torch.Tensor:
+        if self.num_drafts:
+            raise ValueError("a step that verifies drafts runs on one rank only")
         num_new = [len(t) for t in self.tokens]
         table_lens = [cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
         b, t, k = self.num_rows, sum(num_new), sum(table_lens)

@@ -37,6 +37,9 @@ class LiveRequests:
         # synchronous, and only they can have logits processors): a count, not a scan per step.
         self.num_host_token_requests = 0
         self.num_beam_requests = 0  # live beam search requests (their rows are built per beam)
+        # Requests whose steps may verify a draft (they make steps synchronous: how many tokens
+        # a step emits is known only once it is read).
+        self.num_speculative_requests = 0
         self.num_completed_requests = 0
 
     def admit(self, state: RequestState, first: bool = False) -> None:
@@ -44,6 +47,7 @@ class LiveRequests:
         self.requests[state.key] = state
         self.num_host_token_requests += state.needs_host_tokens
         self.num_beam_requests += state.is_beam
+        self.num_speculative_requests += state.speculative
         self.num_generation_logit_requests += state.request.output_config.return_generation_logits
         if state.lora is not None:
             self.loras.hold(state.lora)
@@ -70,6 +74,7 @@ class LiveRequests:
         if self.requests.pop(state.key, None) is not None:
             self.num_host_token_requests -= state.needs_host_tokens
             self.num_beam_requests -= state.is_beam
+            self.num_speculative_requests -= state.speculative
             self.num_generation_logit_requests -= state.request.output_config.return_generation_logits
             self.awaiting_schedule.discard(state)
             self.awaiting_context.discard(state)

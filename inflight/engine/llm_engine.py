@@ -46,6 +46,7 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.live_requests import LiveRequests
 from inflight.engine.request_intake import RequestIntake
 from inflight.engine.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
+from inflight.engine.speculation import Speculation
 from inflight.engine.step_update import InFlight, StepUpdate
 from inflight.fatal_errors import as_fatal, breaks_device
 from inflight.lora.cache import LoraCache
@@ -81,13 +82,16 @@ class LLMEngine:
                                    self.config.enable_chunked_context,
                                    max_loras=peft.max_loras if peft is not None else None)
         self.live = LiveRequests(self.scheduler, self.loras)
-        self.updater = StepUpdate(self.live, self.block_manager, worker, self.model_config.vocab_size)
         self._next_request_id = 1
         self.iteration = 0
         self.max_num_active_requests = 0
         self.last_stats = IterationStats()
         self._in_flight: InFlight | None = None
         self.intake = RequestIntake(config, worker, self.scheduler, self.loras)
+        self.speculation = Speculation(config.speculative_config, self.model_config.vocab_size,
+                                       getattr(getattr(worker, "tp", None), "is_parallel", False))
+        self.updater = StepUpdate(self.live, self.block_manager, worker, self.model_config.vocab_size,
+                                  self.speculation)
         if peft is not None and peft.lora_prefetch_dir:
             prefetch(self.loras, peft.lora_prefetch_dir, self.model_config, peft.max_adapter_size)
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
@@ -147,7 +151,10 @@ class LLMEngine:
     def prepare(self, request: Request, request_id: int, num_queued: int) -> RequestState:
         """Check a request against the engine's limits and build its state, without touching
         the scheduler's queues (safe to call from another thread). Raises RequestError."""
-        return self.intake.prepare(request, request_id, num_queued, self.new_request_id)
+        self.speculation.validate(request)
+        state = self.intake.prepare(request, request_id, num_queued, self.new_request_id)
+        self.speculation.admit(state)
+        return state
 
     def compile_guide(self, request: Request) -> None:
         """Compiles the request's guide into the cache now (RequestError if it does not
@@ -180,16 +187,24 @@ class LLMEngine:
         start = time.perf_counter()
         overlap = self._overlaps()
         responses = [] if overlap else self._drain()  # a synchronous step starts from known tokens
+        if self.live.num_speculative_requests:  # drafts need the known tokens: never overlapped
+            requests = self.live.requests
+            self.speculation.draft([requests[seq.request_id] for seq in self.scheduler.running])
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
         requests = self.live.requests
         states = [requests[s.seq.request_id] for s in batch.scheduled if s.is_sampled]
+        # Draft tokens each sampled row verifies (None: no row has one): it samples 1 + k positions.
+        drafts = None
+        if self.live.num_speculative_requests:
+            drafts = [s.seq.num_draft_tokens for s in batch.scheduled if s.is_sampled]
+            drafts = drafts if any(drafts) else None
         spans = context_owners = None
         if self.live.awaiting_schedule or self.live.awaiting_context:
             spans, context_owners = self._watch(batch)
         try:
-            sample = self._execute(batch, states, spans, overlap)
+            sample = self._execute(batch, states, spans, overlap, drafts)
         except Exception as exc:  # a failed step fails its requests, not the engine
             if breaks_device(exc):
                 raise as_fatal(exc) from exc
@@ -198,17 +213,17 @@ class LLMEngine:
             return responses + self.live.fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses += self._drain()  # step N-1's tokens, while the device computes this one
         self._advance(batch, states)
-        self._in_flight = InFlight(batch, states, sample, context_owners)
+        self._in_flight = InFlight(batch, states, sample, context_owners, drafts)
         if not overlap:
             responses += self._drain()
         self._record_stats(batch, time.perf_counter() - start)
         return responses
 
     def _execute(self, batch: SchedulerOutput, states: list[RequestState], spans: list | None,
-                 overlap: bool) -> DeviceSample | SamplerOutput:
+                 overlap: bool, drafts: list[int] | None = None) -> DeviceSample | SamplerOutput:
         """Hands the step to the worker (queued only, when `overlap`), with the rows of
-        `states` (the sampled rows' requests) and the prompt logits `spans` to keep; returns
-        its sample. Raises what the step raised."""
+        `states` (the sampled rows' requests), the prompt logits `spans` to keep and the draft
+        tokens each sampled row verifies; returns its sample. Raises what the step raised."""
         live = self.live
         if self.fault_hook is not None:
             self.fault_hook(batch)
@@ -230,6 +245,13 @@ class LLMEngine:
             keep = [i for i, st in enumerate(states) if st.request.output_config.return_generation_logits]
             if keep:
                 extras["generation_logits"] = keep
+        if drafts is not None:  # a row verifying k draft tokens samples 1 + k positions
+            rows = _per_position(rows, drafts)
+            for name in ("hooks", "request_ids"):  # parallel to the sampled rows
+                if name in extras:
+                    extras[name] = _per_position(extras[name], drafts)
+            if "generation_logits" in extras:
+                extras["generation_logits"] = _positions_of(extras["generation_logits"], drafts)
         sample = self.worker.launch(StepOrder.from_batch(batch, self.block_manager.block_size, rows, **extras))
         return sample if overlap else sample.result()
 
@@ -287,7 +309,9 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        return getattr(self.worker, "overlap", False) and not self.live.num_host_token_requests
+        live = self.live
+        return getattr(self.worker, "overlap", False) and not (live.num_host_token_requests
+                                                               or live.num_speculative_requests)
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""
@@ -313,3 +337,17 @@ class LLMEngine:
 
     def stats(self, batch: SchedulerOutput | None = None, latency_ms: float = 0.0) -> IterationStats:
         return iteration_stats(self, batch or SchedulerOutput.make_empty(), latency_ms)
+
+
+def _per_position(values: list, drafts: list[int]) -> list:
+    """Per sampled row -> per sampled position (a row verifying k draft tokens has 1 + k)."""
+    return [value for value, k in zip(values, drafts) for _ in range(1 + k)]
+
+
+def _positions_of(rows: list[int], drafts: list[int]) -> list[int]:
+    """Sampled rows' indices -> the index of each one's last sampled position."""
+    ends, end = [], -1
+    for k in drafts:
+        end += 1 + k
+        ends.append(end)
+    return [ends[row] for row in rows]

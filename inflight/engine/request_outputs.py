@@ -47,6 +47,8 @@ class RequestOutputs:
     # Reduced prompt rows [n, 1 + 2K] (chosen log prob, K top log probs, their ids), in order.
     prompt_log_prob_rows: list[torch.Tensor] = field(default_factory=list)
     num_context_positions: int = 0  # prompt positions whose logits (or their reduction) arrived
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    num_accepted_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         config = self.config
@@ -101,7 +103,10 @@ class RequestOutputs:
                 arrival_time_ns=self.arrival_time_ns, first_scheduled_time_ns=self.first_scheduled_time_ns,
                 first_token_time_ns=self.first_token_time_ns, last_token_time_ns=self.last_token_time_ns,
                 kv_cache_alloc_new_blocks=seq.num_new_blocks, kv_cache_reused_blocks=seq.num_reused_blocks,
-                kv_cache_alloc_total_blocks=seq.num_new_blocks + seq.num_reused_blocks)
+                kv_cache_alloc_total_blocks=seq.num_new_blocks + seq.num_reused_blocks,
+                acceptance_rate=self.num_accepted_draft_tokens / max(self.num_draft_tokens, 1),
+                total_accepted_draft_tokens=self.num_accepted_draft_tokens,
+                total_draft_tokens=self.num_draft_tokens)
 
     def _context_complete(self) -> bool:
         return self.num_context_positions == self.num_prompt_tokens

@@ -61,6 +61,10 @@ class RequestState:
     sequence_index: int = 0
     group: RequestGroup | None = None  # num_return_sequences > 1
     lora: Any = None  # the request's LoRA adapter (inflight.lora.cache.CachedLora), or None
+    # Speculative decoding (inflight.engine.speculation): whether its steps may carry a draft,
+    # and the n-gram drafter's index of its tokens (built at its first draft).
+    speculative: bool = False
+    draft_index: Any = None
 
     def __post_init__(self) -> None:
         # This sequence's id in the engine and the scheduler (the request id for the first);

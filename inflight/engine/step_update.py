@@ -18,6 +18,7 @@ from inflight.core.outputs import SchedulerOutput
 from inflight.engine.beam_state import BeamRequestState
 from inflight.engine.live_requests import LiveRequests
 from inflight.engine.request_state import RequestState
+from inflight.engine.speculation import Speculation
 from inflight.fatal_errors import as_fatal, breaks_device
 from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
@@ -34,14 +35,18 @@ class InFlight:
     sample: DeviceSample | SamplerOutput
     # Requests whose prompt logits the step computes, with how many (the worker's spans' order).
     context_owners: list[tuple[RequestState, int]] | None = None
+    # Draft tokens each sampled row verifies (None: none): row i has 1 + drafts[i] positions.
+    drafts: list[int] | None = None
 
 
 class StepUpdate:
     """Applies launched steps' tokens to the live requests. `worker` copies KV blocks for beam
     search (`copy_blocks`)."""
 
-    def __init__(self, live: LiveRequests, block_manager: BlockManager, worker, vocab_size: int):
+    def __init__(self, live: LiveRequests, block_manager: BlockManager, worker, vocab_size: int,
+                 speculation: Speculation | None = None):
         self.live = live
+        self.speculation = speculation
         self.block_manager = block_manager
         self.worker = worker
         self.vocab_size = vocab_size
@@ -62,6 +67,8 @@ class StepUpdate:
             self._take_context_logits(flight.context_owners, output.context_logits, output.prompt_log_probs)
         # Rows of the sampled rows that asked for their logits, in order (None: none asked).
         logit_rows = None if output.generation_logits is None else iter(output.generation_logits)
+        if flight.drafts is not None:
+            return self._apply_verified(flight, output, logit_rows)
         responses = []
         live, not_finished = self.live.requests, FinishReason.NOT_FINISHED
         vocab_size, errors = self.vocab_size, output.errors
@@ -95,6 +102,41 @@ class StepUpdate:
                 responses.append(self.live.finish(state))
             elif state.request.streaming:
                 responses.append(state.stream_chunk(compact))
+        return responses
+
+    def _apply_verified(self, flight: InFlight, output: SamplerOutput, logit_rows) -> list[Response]:
+        """`apply` for a step whose rows verified drafts: a row of k draft tokens has 1 + k
+        sampled positions, of which it emits the accepted draft's and one more
+        (`Speculation.verify`), each through the stop checks in turn. Such steps hold no beams."""
+        responses, position = [], 0
+        live, not_finished = self.live.requests, FinishReason.NOT_FINISHED
+        tokens, log_probs, tops = output.token_ids, output.log_probs, output.top_log_probs
+        for state, num_drafts in zip(flight.states, flight.drafts):
+            first = position
+            position += 1 + num_drafts
+            logits = None
+            if logit_rows is not None and state.outputs.config.return_generation_logits:
+                logits = next(logit_rows)
+            if live.get(state.key) is not state:
+                continue
+            num_accepted = self.speculation.verify(state, tokens[first:position]) if num_drafts else 0
+            for p in range(first, first + num_accepted + 1):
+                if p in output.errors or not 0 <= tokens[p] < self.vocab_size:
+                    reason = self._bad_token(p, tokens[p], output, state)
+                    if reason:
+                        responses.append(self.live.fail_request(state, reason))
+                        break
+                try:
+                    state.accept_token(tokens[p], log_probs[p], logits, tops[p] if tops else None)
+                except Exception as exc:  # a user StoppingCriteria raised: fail that request only
+                    responses.append(self.live.fail_request(state, f"stopping criteria failed: {exc}"))
+                    break
+                if state.finish_reason is not not_finished:
+                    responses.append(self.live.finish(state))
+                    break
+            else:
+                if state.request.streaming:
+                    responses.append(state.stream_chunk(self.compact_stream_chunks))
         return responses
 
     def _advance_beams(self, state: BeamRequestState, candidates) -> list[Response]:

@@ -98,11 +98,12 @@ class StepInput:
     request_ids: list[int] | None  # parallel to sampling_rows (the hooks' first argument)
     context_indices: torch.Tensor | None  # [C] int64: tokens of the step whose logits to keep
     generation_rows: list[int] | None  # sampled rows whose raw logits to keep
-    num_sampled: int  # rows whose last token is sampled (on every rank)
+    num_sampled: int  # positions sampled: rows whose last token is, and their drafts' (on every rank)
     prompt_targets: torch.Tensor | None = None  # [C] int64 (-1: none): context_indices' targets
     prompt_num_top: int = 0
     keep_prompt_logits: bool = True  # whether the context indices' raw logits are kept
     lora: Any = None  # the step's `LoraBatch` (eager steps whose rows use adapters), else None
+    verifies_drafts: bool = False  # rows sample their drafts' positions too (eager steps only)
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -132,7 +133,8 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     """The step's inputs from its plan: a staged CUDA graph step, or the metadata."""
     plan, rows = order.plan, order.rows
     extras = (rows, order.hooks, order.request_ids)
-    runner = target.graph_runner if not order.context_logits else None  # graphs keep no prompt logits
+    # Graphs keep no prompt logits, and sample one position per row.
+    runner = target.graph_runner if not order.context_logits and not plan.num_drafts else None
     if runner is not None and order.loras and runner.lora_slots is None:
         runner = None  # no graphs with adapters: the step runs eagerly
     if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
@@ -149,7 +151,9 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     meta = StepMetadata.build(
         [(start, len(tokens), table) for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],
         target.block_size, target.device, input_ids=input_ids,
-        sampled_rows=[i for i, sampled in enumerate(plan.sampled) if sampled], pending=pending)
+        sampled_rows=[i for i, sampled in enumerate(plan.sampled) if sampled], pending=pending,
+        num_drafts=[k for k, sampled in zip(plan.num_drafts, plan.sampled) if sampled] if plan.num_drafts
+        else None)
     context_indices = None
     if order.context_logits:
         flat = [row_starts[row] + offset + j for row, offset, count in order.context_logits for j in range(count)]
@@ -158,11 +162,12 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     reduction = order.prompt_log_probs
     if reduction is None or context_indices is None:
         return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
-                         order.generation_logits, plan.num_sampled, lora=lora)
+                         order.generation_logits, plan.num_sampled, lora=lora,
+                         verifies_drafts=bool(plan.num_drafts))
     targets = to_device(torch.tensor(reduction.targets, dtype=torch.int64), target.device)
     return StepInput(meta, target.backend.build_metadata(meta), None, *extras, context_indices,
                      order.generation_logits, plan.num_sampled, targets, reduction.num_top,
-                     reduction.keep_logits, lora)
+                     reduction.keep_logits, lora, bool(plan.num_drafts))
 
 
 def _stage_lora(runner: CudaGraphRunner, step, row_loras, row_num_tokens: list[int]) -> Any:

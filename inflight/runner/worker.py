@@ -310,8 +310,10 @@ class Worker:
                 if hooks and any(hooks) else {}
             sample = self.sampler.sample_on_device(logits, step.sampling_rows)
             sample.errors = errors
-            if self.overlap:  # the next step may read them before the host has; a failed row's
-                # INVALID_TOKEN must never reach the embedding (its request is failed anyway)
+            # The next step may read them before the host has (a step verifying drafts is never
+            # overlapped: how many tokens it emits is known only on the host); a failed row's
+            # INVALID_TOKEN must never reach the embedding (its request is failed anyway).
+            if self.overlap and not step.verifies_drafts:
                 self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
         finally:  # the other ranks wait for this broadcast even when sampling failed
             self._share_sampled_ids(step.num_sampled)

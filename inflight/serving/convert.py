@@ -156,6 +156,7 @@ def _row_request(inputs, input_ids: np.ndarray, row: int, options: RequestOption
             bad_words=_words(inputs, "bad_words_list", row, limits.max_num_words),
             embedding_bias=None if bias is None or bias.size == 0 else bias.astype(np.float32).reshape(-1),
             lora_config=read.lora_config(inputs, row),
+            external_draft_tokens_config=read.external_draft(inputs, row),
             guided_decoding_params=read.guided_decoding(inputs, row),
         )
     except InvalidValueError as exc:  # Request checks max_tokens; the client sent it by this name

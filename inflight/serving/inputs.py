@@ -17,6 +17,7 @@ import numpy as np
 
 from ensemble.io_contract import TEXT_INPUT_ROUTES
 from inflight.api.types import (
+    ExternalDraftTokensConfig,
     GuidedDecodingParams,
     InvalidValueError,
     LoraConfig,
@@ -42,9 +43,10 @@ UNSUPPORTED_INPUTS = {
     "mrope_rotary_cos_sin": "multimodal (Qwen2-VL mrope) inputs are not supported",
     "mrope_position_deltas": "multimodal (Qwen2-VL mrope) inputs are not supported",
     "prompt_embedding_table": "prompt tuning (p-tuning) is not supported",
-    "draft_input_ids": "speculative decoding with external draft tokens is not supported",
-    "draft_logits": "speculative decoding with external draft tokens is not supported",
-    "draft_acceptance_threshold": "speculative decoding with external draft tokens is not supported",
+    "draft_logits": "draft_logits (rejection sampling) is not supported yet; draft_input_ids alone are "
+                    "verified by comparing tokens",
+    "draft_acceptance_threshold": "draft_acceptance_threshold (with draft_logits) is not supported yet; "
+                                  "draft_input_ids alone are verified by comparing tokens",
     "context_phase_params": "disaggregated serving is not supported",
 }
 _LOOKAHEAD = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
@@ -165,6 +167,14 @@ def lora_config(inputs, index: int) -> LoraConfig | None:
     if task_id is None:
         raise RequestError("lora_weights and lora_config need a lora_task_id")
     return LoraConfig(task_id, weights, config)
+
+
+def external_draft(inputs, index: int) -> ExternalDraftTokensConfig | None:
+    """`draft_input_ids` (ragged INT32): a draft model's tokens for the request's first step."""
+    tokens = row(inputs, "draft_input_ids", index)
+    if tokens is None or tokens.size == 0:
+        return None
+    return ExternalDraftTokensConfig([int(t) for t in tokens.reshape(-1)])
 
 
 def guided_decoding(inputs, index: int) -> GuidedDecodingParams | None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from inflight.api.stats import InflightBatchingStats, IterationStats, KvCacheStats
 from inflight.api.types import (
+    ExternalDraftTokensConfig,
     FinishReason,
     GuidedDecodingParams,
     LoraConfig,
@@ -77,6 +78,8 @@ def request_to_wire(request: Request) -> dict:
         "guided": None if guided is None else [guided.guide_type, guided.guide],
         "client_id": request.client_id,
         "lora": _lora_to_wire(request.lora_config),
+        "draft": None if request.external_draft_tokens_config is None else
+        list(request.external_draft_tokens_config.tokens),
     }
 
 
@@ -105,6 +108,10 @@ def _lora_from_wire(data: list | None) -> LoraConfig | None:
     return LoraConfig(data[0], array(data[1]), array(data[2]))
 
 
+def _draft_from_wire(tokens: list | None) -> ExternalDraftTokensConfig | None:
+    return None if tokens is None else ExternalDraftTokensConfig(tokens)
+
+
 def request_from_wire(data: dict) -> Request:
     """Rebuilds a `Request`; its constructors check every field again (RequestError)."""
     bias, guided = data["embedding_bias"], data["guided"]
@@ -122,6 +129,7 @@ def request_from_wire(data: dict) -> Request:
         guided_decoding_params=None if guided is None else GuidedDecodingParams(*guided),
         client_id=data["client_id"],
         lora_config=_lora_from_wire(data.get("lora")),
+        external_draft_tokens_config=_draft_from_wire(data.get("draft")),
     )
 
 

@@ -81,12 +81,15 @@ class StepMetadata:
     def build(cls, rows: Sequence[Row], block_size: int, device: torch.device | str,
               input_ids: Sequence[int] | None = None,
               sampled_rows: Sequence[int] | None = None,
-              pending: tuple[Sequence[int], Sequence[int]] | None = None) -> "StepMetadata":
+              pending: tuple[Sequence[int], Sequence[int]] | None = None,
+              num_drafts: Sequence[int] | None = None) -> "StepMetadata":
         """Builds the step from `(start_position, num_new_tokens, block_table)` rows.
 
         A row's block table must cover `start_position + num_new_tokens` tokens (extra entries
         are ignored). `input_ids` ([T], row-major) travel in the same transfer when given.
-        `sampled_rows` lists the rows whose last token is sampled (default: every row).
+        `sampled_rows` lists the rows whose last token is sampled (default: every row);
+        `num_drafts`, parallel to it, how many positions before the last each one also samples
+        (the draft tokens it verifies).
         `pending` = (dst, src) marks input ids that are the previous step's sampled ids
         (see `pending_dst`); they travel in the same transfer.
         """
@@ -95,6 +98,9 @@ class StepMetadata:
             raise ValueError(f"{len(input_ids)} input ids for {host.num_tokens} new tokens")
         last = [q - 1 for q in host.query_start_loc[1:]]
         logits_indices = last if sampled_rows is None else [last[b] for b in sampled_rows]
+        if num_drafts is not None:
+            logits_indices = [i for end, k in zip(logits_indices, num_drafts)
+                              for i in range(end - k, end + 1)]
         gather_logits = logits_indices != list(range(host.num_tokens))
         # One transfer: the fixed fields first, then the optional ones that are present.
         fields = [(host.positions, torch.int64), (host.slots, torch.int64), (last, torch.int64),

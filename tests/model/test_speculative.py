@@ -1,0 +1,148 @@
+"""Speculative decoding in the engine (fp32, CPU, a tiny random Llama): drafts verified in one
+step give exactly the tokens of decoding without them, whoever drafts (the n-gram drafter,
+`draft_input_ids` that are always right, never right, or partly right), with stop words,
+end_id, max_tokens and streaming as without a draft, and the KV accounting idle afterwards
+(`run` asserts it). fp32 greedy on the CPU: the verify step's batched positions and plain
+decoding's one-at-a-time steps compute the same logits up to float noise, far below the
+random model's gaps between its top two logits, so no near-tie caveat is needed here."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.api.config import KvCacheConfig, NgramConfig, SpeculativeConfig
+from inflight.api.types import ExternalDraftTokensConfig, OutputConfig, Request, RequestError, SamplingConfig
+from tests.model.engine_utils import gen_request, make_engine, output_tokens, run
+
+# Prompts that repeat themselves, so the n-gram drafter finds matches, of several lengths.
+PROMPTS = [[1 + (i * 7 + j) % (9 + i) for j in range(12 + 5 * i)] for i in range(6)]
+NGRAM = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return make_engine(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def want(plain):
+    """Greedy outputs without speculation: 40 tokens per prompt."""
+    return [output_tokens(r) for r in run(plain, [gen_request(p, 40) for p in PROMPTS])]
+
+
+def _with_metrics(request: Request) -> Request:
+    request.output_config.return_perf_metrics = True
+    return request
+
+
+def _metrics(responses):
+    return responses[-1].result.request_perf_metrics
+
+
+def test_ngram_drafts_change_no_token(tiny_dir, want):
+    engine = make_engine(tiny_dir, speculative_config=NGRAM)
+    results = run(engine, [_with_metrics(gen_request(p, 40)) for p in PROMPTS])
+    assert [output_tokens(r) for r in results] == want
+    metrics = [_metrics(r) for r in results]
+    assert sum(m.total_draft_tokens for m in metrics) > 0
+    assert sum(m.total_accepted_draft_tokens for m in metrics) > 0  # the repeats are found
+    for m in metrics:
+        assert m.total_accepted_draft_tokens <= m.total_draft_tokens
+        rate = m.total_accepted_draft_tokens / max(m.total_draft_tokens, 1)
+        assert m.acceptance_rate == pytest.approx(rate)
+
+
+def test_ngram_streaming_sends_the_same_tokens_in_order(tiny_dir, want):
+    engine = make_engine(tiny_dir, speculative_config=NGRAM)
+    results = run(engine, [gen_request(p, 40, streaming=True) for p in PROMPTS])
+    assert [output_tokens(r) for r in results] == want
+    assert any(len(r.result.output_token_ids[0]) > 1 for rs in results for r in rs)  # several at once
+
+
+def test_ngram_with_prefix_reuse_and_a_small_cache(tiny_dir, want):
+    """Blocks holding drafts are never registered for reuse: a second round of the same prompts
+    attaches only verified blocks and gives the same tokens; a cache of 8-token blocks makes the
+    drafts cross block boundaries."""
+    engine = make_engine(tiny_dir, speculative_config=NGRAM,
+                         kv_cache_config=KvCacheConfig(max_tokens=1024, tokens_per_block=8,
+                                                       enable_block_reuse=True))
+    for _ in range(2):
+        assert [output_tokens(r) for r in run(engine, [gen_request(p, 40) for p in PROMPTS])] == want
+
+
+@pytest.mark.parametrize("case", ["right", "wrong", "partly"])
+def test_request_drafts_are_verified(plain, want, case):
+    """draft_input_ids for the first step: always right (the plain run's first tokens), never
+    right, or right for 3 of 8. The output is the plain run's, and the counts say what passed."""
+    drafts = {"right": want[0][:8], "wrong": [(t + 1) % 500 for t in want[0][:8]],
+              "partly": want[0][:3] + [(t + 1) % 500 for t in want[0][3:8]]}[case]
+    draft = ExternalDraftTokensConfig(drafts)
+    request = _with_metrics(gen_request(PROMPTS[0], 40, external_draft_tokens_config=draft))
+    responses = run(plain, [request])[0]
+    assert output_tokens(responses) == want[0]
+    metrics = _metrics(responses)
+    accepted = {"right": 8, "wrong": 0, "partly": 3}[case]
+    assert (metrics.total_draft_tokens, metrics.total_accepted_draft_tokens) == (8, accepted)
+
+
+def test_stop_rules_cut_an_accepted_draft(plain, want):
+    """A draft accepted whole still stops where decoding would: at a stop word inside it, at
+    end_id inside it (end_id not output), and at max_tokens (the draft is cut to fit)."""
+    tokens = want[1]
+    draft = ExternalDraftTokensConfig(tokens[:8])
+    stop = gen_request(PROMPTS[1], 40, stop_words=[tokens[2:4]], external_draft_tokens_config=draft)
+    end = gen_request(PROMPTS[1], 40, end_id=tokens[5], external_draft_tokens_config=draft)
+    short = gen_request(PROMPTS[1], 3, external_draft_tokens_config=draft)
+    got = [output_tokens(r) for r in run(plain, [stop, end, short])]
+    first_end = tokens.index(tokens[5])
+    assert got == [tokens[:4], tokens[:first_end], tokens[:3]]
+
+
+def test_a_sampled_request_draws_each_position_in_order(plain):
+    """A sampled request verifies by comparing its own samples: each position is drawn from the
+    target's distribution with the request's generator, in position order. With a wrong draft
+    its first token is the one it draws without a draft (the first draw), and the position after
+    the rejected draft consumed a draw: the rest follows the same distribution, not the same
+    stream."""
+    config = SamplingConfig(temperature=0.8, top_k=20, seed=7)
+    want = output_tokens(run(plain, [gen_request(PROMPTS[2], 20, sampling_config=config)])[0])
+    wrong = ExternalDraftTokensConfig([(want[0] + 1) % 500])
+    request = _with_metrics(gen_request(PROMPTS[2], 20, sampling_config=config,
+                                        external_draft_tokens_config=wrong))
+    responses = run(plain, [request])[0]
+    got = output_tokens(responses)
+    assert got[0] == want[0] and len(got) == 20
+    assert (_metrics(responses).total_draft_tokens, _metrics(responses).total_accepted_draft_tokens) == (1, 0)
+
+
+@pytest.mark.parametrize("draft, message", [
+    (ExternalDraftTokensConfig(list(range(17))),
+     "Number of draft tokens (17) is larger than maximum number of draft tokens (16)"),
+    (ExternalDraftTokensConfig([1, 10 ** 6]), "draft_input_ids hold an id outside the vocabulary"),
+    (ExternalDraftTokensConfig([1, 2], logits=[[0.0]]),
+     "draft_logits and draft_acceptance_threshold are not"),
+])
+def test_bad_drafts_are_refused_alone(plain, want, draft, message):
+    with pytest.raises(RequestError, match=None) as info:
+        plain.add_request(gen_request(PROMPTS[0], 8, external_draft_tokens_config=draft))
+    assert message in str(info.value)
+    assert output_tokens(run(plain, [gen_request(PROMPTS[0], 40)])[0]) == want[0]
+
+
+def test_requests_that_read_their_history_decode_plainly(tiny_dir, want):
+    """Penalties read the token history, which differs per draft position: such a request
+    gets no draft (and the same tokens as an engine without speculation)."""
+    engine = make_engine(tiny_dir, speculative_config=NGRAM)
+    config = SamplingConfig(repetition_penalty=1.3)
+    penalised = gen_request(PROMPTS[3], 30, sampling_config=config)
+    plain_penalised = output_tokens(run(make_engine(tiny_dir), [penalised])[0])
+    request = _with_metrics(gen_request(PROMPTS[3], 30, sampling_config=config))
+    responses = run(engine, [request, gen_request(PROMPTS[0], 40)])
+    assert output_tokens(responses[0]) == plain_penalised
+    assert _metrics(responses[0]).total_draft_tokens == 0
+    assert output_tokens(responses[1]) == want[0]
+
+
+def test_output_config_unchanged_by_default():
+    assert SpeculativeConfig().ngram is None and SpeculativeConfig().max_draft_tokens == 16
+    assert OutputConfig().return_perf_metrics is False

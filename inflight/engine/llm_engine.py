@@ -187,9 +187,10 @@ class LLMEngine:
         start = time.perf_counter()
         overlap = self._overlaps()
         responses = [] if overlap else self._drain()  # a synchronous step starts from known tokens
-        if self.live.num_speculative_requests:  # drafts need the known tokens: never overlapped
+        if self.live.num_speculative_requests and not overlap:  # drafts start from known tokens
             requests = self.live.requests
-            self.speculation.draft([requests[seq.request_id] for seq in self.scheduler.running])
+            running = [requests[seq.request_id] for seq in self.scheduler.running]
+            self.speculation.draft(running, self.iteration)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return responses + self._drain()
@@ -213,7 +214,7 @@ class LLMEngine:
             return responses + self.live.fail(batch, f"engine step failed: {type(exc).__name__}: {exc}")
         responses += self._drain()  # step N-1's tokens, while the device computes this one
         self._advance(batch, states)
-        self._in_flight = InFlight(batch, states, sample, context_owners, drafts)
+        self._in_flight = InFlight(batch, states, sample, context_owners, drafts, self.iteration)
         if not overlap:
             responses += self._drain()
         self._record_stats(batch, time.perf_counter() - start)
@@ -309,9 +310,13 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be queued before the previous one's tokens are read."""
-        live = self.live
-        return getattr(self.worker, "overlap", False) and not (live.num_host_token_requests
-                                                               or live.num_speculative_requests)
+        live, flight = self.live, self._in_flight
+        if not getattr(self.worker, "overlap", False) or live.num_host_token_requests:
+            return False
+        if flight is not None and flight.drafts is not None:  # how many tokens it emits is not known yet
+            return False
+        return not (live.num_speculative_requests
+                    and self.speculation.may_draft(self.iteration, self.scheduler.num_running))
 
     def _drain(self) -> list[Response]:
         """Reads the step in flight's tokens (if any) and turns them into responses."""

@@ -22,11 +22,15 @@ bans `end_id` a row decodes plainly. Steps with drafts run synchronously and eag
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ensemble.errors import ConfigError
-from inflight.api.config import SpeculativeConfig
-from inflight.api.types import Request, RequestError
+from inflight.api.config import NgramConfig, SpeculativeConfig
+from inflight.api.types import FinishReason, Request, RequestError
 from inflight.core.ngram import NgramIndex
 from inflight.engine.request_state import RequestState
+
+MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of wasted ones
 
 
 def speculates(state: RequestState) -> bool:
@@ -36,8 +40,34 @@ def speculates(state: RequestState) -> bool:
             and not request.output_config.return_generation_logits and not row.bad_words)
 
 
+class NgramDrafter:
+    """Prompt lookup (`inflight.core.ngram`): each request's index of its verified tokens."""
+
+    def __init__(self, config: NgramConfig) -> None:
+        self.config = config
+
+    def propose(self, asks: list[tuple[RequestState, int]]) -> list[list[int]]:
+        drafts = []
+        for state, max_tokens in asks:
+            tokens = state.seq.token_ids
+            index = state.draft_index
+            if index is None:
+                index = state.draft_index = NgramIndex(self.config, tokens)
+            else:
+                index.extend(tokens[index.num_tokens:])
+            drafts.append(index.propose(max_tokens))
+        return drafts
+
+
+class Drafter(Protocol):
+    def propose(self, asks: list[tuple[RequestState, int]]) -> list[list[int]]:
+        """A draft (possibly empty) for each (running request about to decode, at most this many
+        tokens); the request's verified tokens are `state.seq.token_ids`."""
+
+
 class Speculation:
-    """Drafts and their verification for the live requests of one engine."""
+    """Drafts and their verification for the live requests of one engine. `drafter`: the
+    engine's own (`SpeculativeConfig.ngram`; None: only drafts sent with requests)."""
 
     def __init__(self, config: SpeculativeConfig, vocab_size: int, tensor_parallel: bool) -> None:
         self.config = config
@@ -46,6 +76,9 @@ class Speculation:
         if config.ngram is not None and tensor_parallel:
             raise ConfigError("speculative decoding (ngram) is not supported with tensor_parallel_size > 1 "
                               "yet")
+        self.drafter: Drafter | None = NgramDrafter(config.ngram) if config.ngram is not None else None
+        self._external: set[RequestState] = set()  # requests whose own draft waits for its step
+        self._next_draft_iteration = 0  # no request may draft before this engine iteration
 
     def validate(self, request: Request) -> None:
         """RequestError, with TensorRT-LLM's text where it has one, for a draft the engine
@@ -73,32 +106,48 @@ class Speculation:
         if not speculates(state):
             return
         draft = state.request.external_draft_tokens_config
-        if draft is not None and draft.tokens and state.sequence_index == 0:
+        if draft is not None and draft.tokens and state.sequence_index == 0 and state.seq.max_new_tokens > 1:
             state.seq.add_draft(list(draft.tokens[:state.seq.max_new_tokens - 1]))
-        state.speculative = self.config.ngram is not None or bool(state.seq.num_draft_tokens)
+            self._external.add(state)
+        state.speculative = self.drafter is not None or bool(state.seq.num_draft_tokens)
+        self._next_draft_iteration = 0
 
-    def draft(self, states) -> None:
-        """The n-gram drafter's draft for each of `states` (running requests) about to decode."""
-        ngram = self.config.ngram
-        if ngram is None:
+    def may_draft(self, iteration: int, num_running: int) -> bool:
+        """Whether the next step may carry a draft: then it must start from known tokens, and
+        the step after it too (how many tokens a draft step emits is known only once read). Off
+        while more than `max_draft_batch_size` requests run, or while every request's drafting
+        backs off; a request's own draft always goes."""
+        if self._external:
+            self._external = {s for s in self._external if s.seq.num_draft_tokens and s.finish_reason is
+                              FinishReason.NOT_FINISHED}
+            if self._external:
+                return True
+        return (self.drafter is not None and num_running <= self.config.max_draft_batch_size
+                and iteration >= self._next_draft_iteration)
+
+    def draft(self, states: list[RequestState], iteration: int) -> None:
+        """The drafter's drafts for those of `states` (running requests) about to decode whose
+        drafting does not back off (`verify`)."""
+        if self.drafter is None or len(states) > self.config.max_draft_batch_size:
             return
+        asks, next_iteration = [], None
         for state in states:
             seq = state.seq
             num_left = seq.max_new_tokens - seq.num_generated_tokens - 1  # after the step's own token
-            if (num_left <= 0 or seq.num_draft_tokens or seq.num_uncomputed_tokens != 1
-                    or seq.token_ids[-1] < 0 or not speculates(state)
-                    or state.sampling_row.num_generated_tokens < state.sampling_row.min_tokens):
+            row = state.sampling_row
+            if (num_left <= 0 or seq.num_draft_tokens or seq.num_uncomputed_tokens != 1 or not state.speculative
+                    or seq.token_ids[-1] < 0 or row.num_generated_tokens < row.min_tokens):
                 continue
-            index = state.draft_index
-            if index is None:
-                index = state.draft_index = NgramIndex(ngram, seq.token_ids)
-            else:
-                index.extend(seq.token_ids[index.num_tokens:])
-            proposal = index.propose(num_left)
-            if proposal:
-                seq.add_draft(proposal)
+            if iteration < state.next_draft_iteration:
+                next_iteration = min(next_iteration or state.next_draft_iteration, state.next_draft_iteration)
+                continue
+            asks.append((state, min(num_left, self.config.max_draft_tokens)))
+        for (state, _), draft in zip(asks, self.drafter.propose(asks) if asks else []):
+            if draft:
+                state.seq.add_draft(draft)
+        self._next_draft_iteration = iteration + 1 if asks or next_iteration is None else next_iteration
 
-    def verify(self, state: RequestState, tokens: list[int]) -> int:
+    def verify(self, state: RequestState, tokens: list[int], iteration: int) -> int:
         """The target's tokens at the row's 1 + k positions against its pending draft: the
         draft leaves the sequence, its computed count is cut to the accepted part, and the
         number of accepted draft tokens a is returned (the request emits tokens[:a + 1])."""
@@ -114,4 +163,7 @@ class Speculation:
         seq.num_computed_tokens -= num_draft - accepted
         state.outputs.num_draft_tokens += num_draft
         state.outputs.num_accepted_draft_tokens += accepted
+        # A wasted draft costs its positions' compute: after n in a row, skip 2^n - 1 steps.
+        state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, MAX_BACKOFF_EXPONENT)
+        state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)
         return accepted

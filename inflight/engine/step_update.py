@@ -37,6 +37,7 @@ class InFlight:
     context_owners: list[tuple[RequestState, int]] | None = None
     # Draft tokens each sampled row verifies (None: none): row i has 1 + drafts[i] positions.
     drafts: list[int] | None = None
+    iteration: int = 0  # the engine's, when the step was launched
 
 
 class StepUpdate:
@@ -119,7 +120,8 @@ class StepUpdate:
                 logits = next(logit_rows)
             if live.get(state.key) is not state:
                 continue
-            num_accepted = self.speculation.verify(state, tokens[first:position]) if num_drafts else 0
+            num_accepted = self.speculation.verify(state, tokens[first:position], flight.iteration) \
+                if num_drafts else 0
             for p in range(first, first + num_accepted + 1):
                 if p in output.errors or not 0 <= tokens[p] < self.vocab_size:
                     reason = self._bad_token(p, tokens[p], output, state)

@@ -251,13 +251,13 @@ class CudaGraphRunner:
             self.lora_segments.stage(token_slots)
         return replace(step, lora=True)
 
-    def mixed_bucket_for(self, num_tokens: int, num_rows: int) -> int | None:
+    def mixed_bucket_for(self, num_tokens: int, num_rows: int, num_sampled: int | None = None) -> int | None:
         """The token bucket of a mixed step (None: no mixed graphs, or too big)."""
-        return None if self.mixed is None else self.mixed.bucket_for(num_tokens, num_rows)
+        return None if self.mixed is None else self.mixed.bucket_for(num_tokens, num_rows, num_sampled)
 
-    def stage_mixed(self, rows: Sequence[MixedRow]) -> MixedStep:
+    def stage_mixed(self, rows: Sequence[MixedRow], num_drafts: Sequence[int] | None = None) -> MixedStep:
         """Stages a step that fits `mixed_bucket_for` (see `MixedGraphs.stage`)."""
-        return self.mixed.stage(rows)
+        return self.mixed.stage(rows, num_drafts)
 
     def replay(self, step: GraphStep | MixedStep) -> torch.Tensor:
         """Runs a staged step; returns its sampled rows' logits [S, vocab] fp32 (a view of the

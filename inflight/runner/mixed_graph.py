@@ -177,16 +177,18 @@ class MixedGraphs:
             self._forward(bucket, step.lora)
         return self.logits[:step.num_sampled]
 
-    def bucket_for(self, num_tokens: int, num_rows: int) -> int | None:
-        """The token bucket a step of `num_tokens` over `num_rows` rows replays in (None: too big)."""
-        if num_tokens > self.max_num_tokens or num_rows > self.max_batch_size:
+    def bucket_for(self, num_tokens: int, num_rows: int, num_sampled: int | None = None) -> int | None:
+        """The token bucket a step of `num_tokens` over `num_rows` rows, sampling `num_sampled`
+        positions (default: at most one a row), replays in (None: too big)."""
+        if num_tokens > self.max_num_tokens or max(num_rows, num_sampled or 0) > self.max_batch_size:
             return None
         return next(t for t in self.token_buckets if t >= num_tokens)
 
-    def stage(self, rows: Sequence[MixedRow]) -> MixedStep:
+    def stage(self, rows: Sequence[MixedRow], num_drafts: Sequence[int] | None = None) -> MixedStep:
         """Fills the static inputs for `rows` with one host -> device copy (no sync). A row's
         block table must cover its new tokens; a placeholder token `-(1 + i)` (last of its row
-        only) is the previous step's sampled id i, still on the device."""
+        only) is the previous step's sampled id i, still on the device. `num_drafts` (per row):
+        a sampled row's draft tokens, whose positions it samples too (`StepPlan.num_drafts`)."""
         counts = np.fromiter((len(tokens) for _, tokens, _, _ in rows), np.int64, len(rows))
         num_rows, num_tokens = len(rows), int(counts.sum())
         bucket = self.buckets[self.bucket_for(num_tokens, num_rows)]
@@ -214,7 +216,14 @@ class MixedGraphs:
         sampled = np.flatnonzero(np.fromiter((s for _, _, s, _ in rows), bool, num_rows))
         num_sampled = len(sampled)
         logits_indices, pending_dst, pending_src = v.rows
-        logits_indices[:num_sampled] = qsl[sampled + 1] - 1
+        if num_drafts is None:
+            logits_indices[:num_sampled] = qsl[sampled + 1] - 1
+        else:  # a row verifying k draft tokens samples its last 1 + k positions
+            ends = qsl[sampled + 1] - 1
+            counts = 1 + np.asarray(num_drafts, dtype=np.int64)[sampled]
+            num_sampled = int(counts.sum())
+            logits_indices[:num_sampled] = np.repeat(ends - counts + 1, counts) + \
+                np.arange(num_sampled) - np.repeat(np.cumsum(counts) - counts, counts)
         logits_indices[num_sampled:bucket.num_logits] = 0
         pending = np.flatnonzero(ids < 0)
         num_pending = len(pending)

@@ -103,7 +103,7 @@ class StepInput:
     prompt_num_top: int = 0
     keep_prompt_logits: bool = True  # whether the context indices' raw logits are kept
     lora: Any = None  # the step's `LoraBatch` (eager steps whose rows use adapters), else None
-    verifies_drafts: bool = False  # rows sample their drafts' positions too (eager steps only)
+    verifies_drafts: bool = False  # rows sample their drafts' positions too
 
     @property
     def input_ids(self) -> torch.Tensor:  # [T] int64 (eager steps)
@@ -133,8 +133,7 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
     """The step's inputs from its plan: a staged CUDA graph step, or the metadata."""
     plan, rows = order.plan, order.rows
     extras = (rows, order.hooks, order.request_ids)
-    # Graphs keep no prompt logits, and sample one position per row.
-    runner = target.graph_runner if not order.context_logits and not plan.num_drafts else None
+    runner = target.graph_runner if not order.context_logits else None  # graphs keep no prompt logits
     if runner is not None and order.loras and runner.lora_slots is None:
         runner = None  # no graphs with adapters: the step runs eagerly
     if runner is not None and runner.bucket_for(plan.num_rows) is not None and plan.is_decode():
@@ -142,11 +141,14 @@ def prepare_inputs(target: InputTarget, order: StepOrder) -> StepInput:
         if order.loras:
             step = _stage_lora(runner, step, order.loras, [1] * plan.num_rows)
         return StepInput(None, None, step, *extras, None, order.generation_logits, plan.num_sampled)
-    if runner is not None and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows) is not None:
-        graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled, plan.block_tables)))
+    if runner is not None and runner.mixed_bucket_for(sum(map(len, plan.tokens)), plan.num_rows,
+                                                      plan.num_sampled) is not None:
+        graph_step = runner.stage_mixed(list(zip(plan.starts, plan.tokens, plan.sampled, plan.block_tables)),
+                                        plan.num_drafts)
         if order.loras:
             graph_step = _stage_lora(runner, graph_step, order.loras, [len(t) for t in plan.tokens])
-        return StepInput(None, None, graph_step, *extras, None, order.generation_logits, plan.num_sampled)
+        return StepInput(None, None, graph_step, *extras, None, order.generation_logits, plan.num_sampled,
+                         verifies_drafts=bool(plan.num_drafts))
     input_ids, row_starts, pending = _flatten(plan.tokens)
     meta = StepMetadata.build(
         [(start, len(tokens), table) for start, tokens, table in zip(plan.starts, plan.tokens, plan.block_tables)],

@@ -13,10 +13,11 @@ import pytest
 from inflight.api.config import KvCacheConfig, NgramConfig, SpeculativeConfig
 from inflight.api.types import ExternalDraftTokensConfig, OutputConfig, Request, RequestError, SamplingConfig
 from tests.model.engine_utils import gen_request, make_engine, output_tokens, run
+from tools.drafters import KnownContinuation
 
 # Prompts that repeat themselves, so the n-gram drafter finds matches, of several lengths.
 PROMPTS = [[1 + (i * 7 + j) % (9 + i) for j in range(12 + 5 * i)] for i in range(6)]
-NGRAM = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4))
+NGRAM = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4, min_ngram=1))  # drafts often: more to check
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +147,39 @@ def test_requests_that_read_their_history_decode_plainly(tiny_dir, want):
 def test_output_config_unchanged_by_default():
     assert SpeculativeConfig().ngram is None and SpeculativeConfig().max_draft_tokens == 16
     assert OutputConfig().return_perf_metrics is False
+
+
+def _with_drafter(tiny_dir, drafter, **config):
+    engine = make_engine(tiny_dir, speculative_config=SpeculativeConfig(ngram=NgramConfig(), **config))
+    engine.speculation.drafter = drafter
+    return engine
+
+
+def test_drafts_that_are_always_right_take_one_step_per_draft(tiny_dir, want):
+    k = 4
+    engine = _with_drafter(tiny_dir, KnownContinuation(PROMPTS, want, 500), max_draft_tokens=k)
+    results = run(engine, [_with_metrics(gen_request(p, 40)) for p in PROMPTS])
+    assert [output_tokens(r) for r in results] == want
+    assert all(_metrics(r).acceptance_rate == 1.0 for r in results)
+    assert engine.iteration <= 1 + -(-39 // (k + 1)) + 1  # prefill, 39 tokens at k + 1 a step, slack 1
+
+
+def test_drafts_that_are_never_right_back_off(tiny_dir, want):
+    """After n wasted drafts in a row a request skips 2^n - 1 steps (at most 15): 40 tokens see
+    at most 7 drafts each, and the output does not change."""
+    engine = _with_drafter(tiny_dir, KnownContinuation(PROMPTS, want, 500, wrong=True), max_draft_tokens=3)
+    results = run(engine, [_with_metrics(gen_request(p, 40)) for p in PROMPTS])
+    assert [output_tokens(r) for r in results] == want
+    for r in results:
+        m = _metrics(r)
+        assert m.total_accepted_draft_tokens == 0 and 0 < m.total_draft_tokens <= 7 * 3
+
+
+def test_no_drafts_while_the_batch_is_large(tiny_dir, want):
+    """max_draft_batch_size 2: six requests decode plainly until four of them have finished."""
+    lengths = [40, 40, 10, 10, 10, 10]
+    engine = _with_drafter(tiny_dir, KnownContinuation(PROMPTS, want, 500), max_draft_batch_size=2)
+    results = run(engine, [_with_metrics(gen_request(p, n)) for p, n in zip(PROMPTS, lengths)])
+    assert [output_tokens(r) for r in results] == [w[:n] for w, n in zip(want, lengths)]
+    drafted = [_metrics(r).total_draft_tokens for r in results]
+    assert drafted[2:] == [0, 0, 0, 0] and drafted[0] > 0 and drafted[1] > 0

@@ -45,7 +45,8 @@ def test_index_agrees_with_a_plain_scan_after_every_extend(seed, config):
         tokens += chunk
         assert index.num_tokens == len(tokens)
         for max_tokens in (-1, 0, 1, 2, config.max_draft_tokens, config.max_draft_tokens + 3):
-            assert index.propose(max_tokens) == naive_propose(tokens, config, max_tokens), (tokens, max_tokens)
+            want = naive_propose(tokens, config, max_tokens)
+            assert index.propose(max_tokens) == want, (tokens, max_tokens)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -66,37 +67,37 @@ def test_extend_in_pieces_equals_building_at_once(seed):
 
 
 def test_empty_and_single_token_sequences_propose_nothing():
-    assert NgramIndex(NgramConfig()).propose(4) == []
-    assert NgramIndex(NgramConfig()).num_tokens == 0
-    assert NgramIndex(NgramConfig(), [7]).propose(4) == []
+    assert NgramIndex(NgramConfig(min_ngram=1)).propose(4) == []
+    assert NgramIndex(NgramConfig(min_ngram=1)).num_tokens == 0
+    assert NgramIndex(NgramConfig(min_ngram=1), [7]).propose(4) == []
 
 
 def test_no_earlier_occurrence_proposes_nothing():
-    assert NgramIndex(NgramConfig(), [1, 2, 3, 4, 5]).propose(4) == []
+    assert NgramIndex(NgramConfig(min_ngram=1), [1, 2, 3, 4, 5]).propose(4) == []
 
 
 def test_a_zero_or_negative_budget_proposes_nothing():
-    index = NgramIndex(NgramConfig(), [1, 2, 3, 1, 2])
+    index = NgramIndex(NgramConfig(min_ngram=1), [1, 2, 3, 1, 2])
     assert index.propose(1) == [3]
     assert index.propose(0) == [] and index.propose(-3) == []
 
 
 def test_draft_is_capped_by_the_budget_and_the_config():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1]
-    assert NgramIndex(NgramConfig(max_draft_tokens=4), tokens).propose(10) == [2, 3, 4, 5]
-    assert NgramIndex(NgramConfig(max_draft_tokens=4), tokens).propose(2) == [2, 3]
+    assert NgramIndex(NgramConfig(max_draft_tokens=4, min_ngram=1), tokens).propose(10) == [2, 3, 4, 5]
+    assert NgramIndex(NgramConfig(max_draft_tokens=4, min_ngram=1), tokens).propose(2) == [2, 3]
 
 
 def test_draft_stops_at_the_sequence_end_and_may_overlap_the_suffix():
-    assert NgramIndex(NgramConfig(), [7, 8, 9, 7]).propose(4) == [8, 9, 7]
+    assert NgramIndex(NgramConfig(min_ngram=1), [7, 8, 9, 7]).propose(4) == [8, 9, 7]
     # [3, 3] matches at 0, overlapping the suffix at 1; what followed it is the last token.
-    assert NgramIndex(NgramConfig(max_ngram=2), [3, 3, 3]).propose(4) == [3]
+    assert NgramIndex(NgramConfig(max_ngram=2, min_ngram=1), [3, 3, 3]).propose(4) == [3]
 
 
 def test_the_longest_suffix_wins_over_a_more_recent_shorter_one():
     tokens = [1, 2, 3, 9, 2, 3, 5, 1, 2, 3]
-    assert NgramIndex(NgramConfig(), tokens).propose(4) == [9, 2, 3, 5]
-    assert NgramIndex(NgramConfig(max_ngram=2), tokens).propose(4) == [5, 1, 2, 3]
+    assert NgramIndex(NgramConfig(min_ngram=1), tokens).propose(4) == [9, 2, 3, 5]
+    assert NgramIndex(NgramConfig(max_ngram=2, min_ngram=1), tokens).propose(4) == [5, 1, 2, 3]
 
 
 def test_the_most_recent_occurrence_of_a_suffix_wins():
@@ -110,7 +111,7 @@ def test_min_ngram_refuses_shorter_matches():
 
 
 def test_proposals_follow_the_sequence_as_it_grows():
-    index = NgramIndex(NgramConfig(max_draft_tokens=2), [4, 5, 6, 7])
+    index = NgramIndex(NgramConfig(max_draft_tokens=2, min_ngram=1), [4, 5, 6, 7])
     assert index.propose(2) == []
     index.extend([4])
     assert index.propose(2) == [5, 6]
@@ -124,7 +125,7 @@ def test_proposals_follow_the_sequence_as_it_grows():
     ({"max_draft_tokens": 0}, r"max_draft_tokens must be >= 1, got 0"),
     ({"min_ngram": 0}, r"min_ngram must be >= 1, got 0"),
     ({"max_ngram": 2, "min_ngram": 3}, r"max_ngram must be >= min_ngram \(3\), got 2"),
-    ({"max_ngram": 0}, r"max_ngram must be >= min_ngram \(1\), got 0"),
+    ({"max_ngram": 1}, r"max_ngram must be >= min_ngram \(2\), got 1"),
 ])
 def test_config_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -133,7 +134,7 @@ def test_config_validation_names_the_field(kwargs, message):
 
 def test_config_defaults_and_frozen():
     config = NgramConfig()
-    assert (config.max_draft_tokens, config.max_ngram, config.min_ngram) == (4, 4, 1)
+    assert (config.max_draft_tokens, config.max_ngram, config.min_ngram) == (4, 4, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.max_ngram = 2  # type: ignore[misc]
 

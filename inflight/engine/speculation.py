@@ -138,14 +138,19 @@ class Speculation:
             if (num_left <= 0 or seq.num_draft_tokens or seq.num_uncomputed_tokens != 1 or not state.speculative
                     or seq.token_ids[-1] < 0 or row.num_generated_tokens < row.min_tokens):
                 continue
-            if iteration < state.next_draft_iteration:
+            if iteration >= state.next_draft_iteration:
+                asks.append((state, min(num_left, self.config.max_draft_tokens)))
+            else:
                 next_iteration = min(next_iteration or state.next_draft_iteration, state.next_draft_iteration)
-                continue
-            asks.append((state, min(num_left, self.config.max_draft_tokens)))
+        drafted = False
         for (state, _), draft in zip(asks, self.drafter.propose(asks) if asks else []):
             if draft:
                 state.seq.add_draft(draft)
-        self._next_draft_iteration = iteration + 1 if asks or next_iteration is None else next_iteration
+                drafted = True
+            else:  # nothing to draft from: look again a few steps later, overlapped meanwhile
+                state.next_draft_iteration = iteration + 1 + self.config.num_steps_after_empty_draft
+                next_iteration = min(next_iteration or state.next_draft_iteration, state.next_draft_iteration)
+        self._next_draft_iteration = iteration + 1 if drafted or next_iteration is None else next_iteration
 
     def verify(self, state: RequestState, tokens: list[int], iteration: int) -> int:
         """The target's tokens at the row's 1 + k positions against its pending draft: the

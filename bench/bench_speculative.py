@@ -91,6 +91,10 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, draft
             "num_steps": 1 + len(step_s), "acceptance": accepted / drafts if drafts else None}
 
 
+def _best(*runs: dict) -> dict:
+    return max(runs, key=lambda run: run["decode_tok_s"])
+
+
 def _row(label: str, run: dict, plain: dict) -> dict:
     row = {"label": label, "decode_tok_s": run["decode_tok_s"],
            "ratio": run["decode_tok_s"] / plain["decode_tok_s"],
@@ -140,7 +144,9 @@ def gpu_rows(engine, vocab: int, args) -> list[dict]:
     for batch in (1, 8, 64):
         prompts = random_prompts(batch, 128, vocab, seed=batch)
         generate(engine, prompts, 4, None)  # this batch's shapes compiled before either run
-        plain = generate(engine, prompts, args.decode_len, None)
+        # plain runs before and after: the second run of a prompt set hits the prefix cache
+        plain = _best(generate(engine, prompts, args.decode_len, None),
+                      generate(engine, prompts, args.decode_len, None))
         ngram = generate(engine, prompts, args.decode_len, NgramDrafter(NgramConfig(max_draft_tokens=4)))
         label = f"batch {batch}, n-gram k=4 (plain {plain['decode_tok_s']:,.0f} tok/s)"
         rows.append(_row(label, ngram, plain))

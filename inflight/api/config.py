@@ -235,15 +235,9 @@ class SpeculativeConfig:
     # The engine's drafter stops while more requests than this run: a large batch is bound by
     # compute, where verifying drafts costs more than the weight reads it saves.
     max_draft_batch_size: int = 32
-    # Steps a request skips after the drafter found nothing for it: a step that may draft
-    # cannot overlap the host's work with the GPU's, and looking every step cost 3 % of batch-1
-    # decode on an H100 when nothing matched (bench/bench_speculative.py).
-    num_steps_after_empty_draft: int = 3
 
     def __post_init__(self) -> None:
         _check(self.max_draft_tokens >= 0, f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
-        _check(self.num_steps_after_empty_draft >= 0,
-               f"num_steps_after_empty_draft must be >= 0, got {self.num_steps_after_empty_draft}")
         _check(self.max_draft_batch_size >= 1,
                f"max_draft_batch_size must be >= 1, got {self.max_draft_batch_size}")
 

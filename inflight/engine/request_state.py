@@ -65,7 +65,7 @@ class RequestState:
     # and the n-gram drafter's index of its tokens (built at its first draft).
     speculative: bool = False
     draft_index: Any = None
-    num_missed_drafts: int = 0  # drafts in a row of which nothing was accepted
+    num_missed_drafts: int = 0  # misses in a row: drafts of which nothing was accepted, or none
     next_draft_iteration: int = 0  # the engine iteration from which it may draft again
 
     def __post_init__(self) -> None:

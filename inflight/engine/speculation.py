@@ -30,7 +30,7 @@ from inflight.api.types import FinishReason, Request, RequestError
 from inflight.core.ngram import NgramIndex
 from inflight.engine.request_state import RequestState
 
-MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of wasted ones
+MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of misses
 
 
 def speculates(state: RequestState) -> bool:
@@ -147,8 +147,8 @@ class Speculation:
             if draft:
                 state.seq.add_draft(draft)
                 drafted = True
-            else:  # nothing to draft from: look again a few steps later, overlapped meanwhile
-                state.next_draft_iteration = iteration + 1 + self.config.num_steps_after_empty_draft
+            else:  # nothing to draft from: a miss too (the steps between overlap host and GPU)
+                _backoff(state, iteration, accepted=False)
                 next_iteration = min(next_iteration or state.next_draft_iteration, state.next_draft_iteration)
         self._next_draft_iteration = iteration + 1 if drafted or next_iteration is None else next_iteration
 
@@ -168,7 +168,14 @@ class Speculation:
         seq.num_computed_tokens -= num_draft - accepted
         state.outputs.num_draft_tokens += num_draft
         state.outputs.num_accepted_draft_tokens += accepted
-        # A wasted draft costs its positions' compute: after n in a row, skip 2^n - 1 steps.
-        state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, MAX_BACKOFF_EXPONENT)
-        state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)
+        _backoff(state, iteration, accepted > 0)
         return accepted
+
+
+def _backoff(state: RequestState, iteration: int, accepted: bool) -> None:
+    """After n misses in a row (drafts of which nothing was accepted, or no draft at all) a
+    request skips 2^n - 1 steps: a wasted draft costs its positions' compute, and a step that
+    may draft cannot overlap the host's work with the GPU's (looking every step while nothing
+    matched cost 3-4 % of batch-1 decode on an H100). An accepted draft resets the count."""
+    state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, MAX_BACKOFF_EXPONENT)
+    state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)

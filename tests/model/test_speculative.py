@@ -17,8 +17,7 @@ from tools.drafters import KnownContinuation
 
 # Prompts that repeat themselves, so the n-gram drafter finds matches, of several lengths.
 PROMPTS = [[1 + (i * 7 + j) % (9 + i) for j in range(12 + 5 * i)] for i in range(6)]
-# Drafts as often as it can: more to check.
-NGRAM = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4, min_ngram=1), num_steps_after_empty_draft=0)
+NGRAM = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4, min_ngram=1))  # drafts often: more to check
 
 
 @pytest.fixture(scope="module")

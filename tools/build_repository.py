@@ -119,6 +119,12 @@ DEFAULTS = {
     "lora_cache_gpu_memory_fraction": "",
     "lora_cache_host_memory_bytes": "",
     "lora_prefetch_dir": "",
+    # Ours: speculative decoding (TensorRT-LLM's LLM API names where it has them); see docs/speculative.md.
+    "speculative_decoding_type": "",
+    "max_draft_len": "",
+    "max_matching_ngram_size": "",
+    "min_matching_ngram_size": "",
+    "max_draft_batch_size": "",
     "decoding_mode": "",
     "lookahead_window_size": "",
     "lookahead_ngram_size": "",

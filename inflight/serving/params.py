@@ -15,9 +15,11 @@ from inflight.api.config import (
     GuidedDecodingBackend,
     GuidedDecodingConfig,
     KvCacheConfig,
+    NgramConfig,
     ParallelConfig,
     PeftCacheConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -134,6 +136,7 @@ def executor_config(params: dict[str, str], max_queue_size: int | None = None) -
         parallel_config=parallel_config(params),
         guided_decoding_config=guided_decoding_config(params),
         peft_cache_config=peft_cache_config(params),
+        speculative_config=speculative_config(params),
         **_knob_fields(ExecutorConfig, params),
     )
 
@@ -174,6 +177,30 @@ def peft_cache_config(params: dict[str, str]) -> PeftCacheConfig | None:
         host_cache_size=get_int(params, "lora_cache_host_memory_bytes", PeftCacheConfig.host_cache_size),
         device_cache_percent=get_float(params, "lora_cache_gpu_memory_fraction", None),
         lora_prefetch_dir=params.get("lora_prefetch_dir") or None)
+
+
+SPECULATIVE_TYPES = ("ngram",)
+
+
+def speculative_config(params: dict[str, str]) -> SpeculativeConfig:
+    """Drafts sent with requests (draft_input_ids) are always verified, up to `max_draft_len`
+    tokens (TensorRT-LLM's engine limit; 16 here when unset). `speculative_decoding_type: ngram`
+    adds the engine's own prompt-lookup drafter (the keys are TensorRT-LLM's LLM API
+    `speculative_config` names: max_draft_len, max_matching_ngram_size; ours:
+    min_matching_ngram_size, max_draft_batch_size)."""
+    kind = (params.get("speculative_decoding_type") or "").lower()
+    if kind and kind not in SPECULATIVE_TYPES:
+        raise ConfigError(f"speculative_decoding_type must be one of {', '.join(SPECULATIVE_TYPES)} or "
+                          f"unset, got '{kind}'")
+    max_draft = get_int(params, "max_draft_len", None)
+    ngram = None
+    if kind == "ngram":
+        ngram = NgramConfig(max_draft_tokens=max_draft or NgramConfig.max_draft_tokens,
+                            max_ngram=get_int(params, "max_matching_ngram_size", NgramConfig.max_ngram),
+                            min_ngram=get_int(params, "min_matching_ngram_size", NgramConfig.min_ngram))
+    return SpeculativeConfig(max_draft_tokens=max_draft or SpeculativeConfig.max_draft_tokens, ngram=ngram,
+                             max_draft_batch_size=get_int(params, "max_draft_batch_size",
+                                                          SpeculativeConfig.max_draft_batch_size))
 
 
 # NVIDIA's tensorrt_llm keys for features this engine does not have; the templates carry them

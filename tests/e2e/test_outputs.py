@@ -70,3 +70,24 @@ def test_two_sequences_through_the_bls_model(server, stream):
         index = int(r.as_numpy("sequence_index")[0][0])
         texts[index] = texts.get(index, "") + r.as_numpy("text_output")[0].decode("utf-8")
     assert sorted(texts) == [0, 1] and all(texts.values())
+
+
+def test_draft_tokens_are_verified_by_tensorrt_llm(server):
+    """NVIDIA's draft-target request: draft_input_ids for the next step. A right draft and a wrong
+    one give the greedy tokens of a request without a draft, and the counts say what passed."""
+    flag, no_end = np.array([[True]]), np.array([[-1]], np.int32)
+    outputs = ["output_ids", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate"]
+
+    def generate(draft=None):
+        extra = {} if draft is None else {"draft_input_ids": np.array([draft], np.int32)}
+        values = token_inputs(PROMPT_IDS, output_len=6, end_id=no_end, return_perf_metrics=flag, **extra)
+        results, errors, _ = stream_once(server, values, "tensorrt_llm", outputs)
+        assert not errors, errors
+        [result] = results
+        counts = [float(result.as_numpy(name)[0][0]) for name in outputs[1:]]
+        return result.as_numpy("output_ids")[0][0][len(PROMPT_IDS):].tolist(), counts
+
+    want, counts = generate()
+    assert counts == [0, 0, 0]
+    assert generate(want[:4]) == (want, [4, 4, 1.0])
+    assert generate([(t + 1) % VOCAB for t in want[:3]]) == (want, [3, 0, 0.0])

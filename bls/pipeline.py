@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from bls import speculative
 from bls.stop_strings import StopStrings
 from ensemble.errors import InputError
 from ensemble.io_contract import (ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,
@@ -91,9 +92,6 @@ def split_inputs(inputs: Tensors) -> tuple[Tensors, Tensors]:
     for name, reason in _UNSUPPORTED.items():
         if name in inputs and inputs[name].size:
             raise InputError(reason)
-    if "num_draft_tokens" in inputs and int(inputs["num_draft_tokens"].reshape(-1)[0]) > 0:
-        raise InputError("speculative decoding (num_draft_tokens > 0) needs a draft model, and this "
-                         "repository has none (tensorrt_llm_draft_model_name is not set)")
     pre, engine = {}, {}
     for name, value in inputs.items():
         if name in ("num_draft_tokens", "use_draft_logits"):
@@ -103,12 +101,18 @@ def split_inputs(inputs: Tensors) -> tuple[Tensors, Tensors]:
     return pre, engine
 
 
+def _num_draft_tokens(inputs: Tensors) -> int:
+    value = inputs.get("num_draft_tokens")
+    return max(0, int(value.reshape(-1)[0])) if value is not None and value.size else 0
+
+
 @dataclass
 class Pipeline:
     models: Models
     engine_name: str = "tensorrt_llm"
     accumulate_tokens: bool = False
     decoupled: bool = True
+    draft_name: str = ""  # tensorrt_llm_draft_model_name: num_draft_tokens > 0 runs bls.speculative
 
     def run(self, inputs: Tensors, request_id: str,
             is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[Tensors]:
@@ -117,6 +121,12 @@ class Pipeline:
             raise InputError("stream is true but the tensorrt_llm_bls model is not decoupled "
                              "(decoupled_mode: false): streaming needs a decoupled model")
         pre_inputs, engine_inputs = split_inputs(inputs)
+        num_draft_tokens = _num_draft_tokens(inputs)
+        if num_draft_tokens:
+            if not self.draft_name:
+                raise InputError("speculative decoding (num_draft_tokens > 0) needs a draft model, and this "
+                                 "repository has none (tensorrt_llm_draft_model_name is not set)")
+            speculative.check(engine_inputs, _flag(inputs, "use_draft_logits"))
         num_sequences = _num_sequences(engine_inputs)
         if num_sequences > 1 and not self.decoupled:
             raise InputError("num_return_sequences > 1 needs a decoupled tensorrt_llm_bls model "
@@ -125,6 +135,9 @@ class Pipeline:
         engine_inputs.update((PREPROCESSING_TO_ENGINE[k], v) for k, v in pre.items()
                              if k in PREPROCESSING_TO_ENGINE)
         batch = pre["INPUT_ID"].shape[0]
+        if num_draft_tokens:
+            yield from self._speculate(inputs, engine_inputs, pre, streaming, num_draft_tokens)
+            return
         stop_words = inputs.get("stop_words")
         rows: dict[tuple[int, int], _Row] = {}
         ended = False  # the engine request was stopped: drain its last responses unseen
@@ -171,6 +184,40 @@ class Pipeline:
                 start = self._prompt_chars(pre, b)
             texts = [m.truncate(t, start or 0) for m, t in zip(matchers, texts)]
         return np.asarray([t.encode("utf-8") for t in texts], dtype=np.object_)
+
+    def _speculate(self, inputs: Tensors, engine_inputs: Tensors, pre: Tensors, streaming: bool,
+                   num_draft_tokens: int) -> Iterator[Tensors]:
+        """`bls.speculative`'s rounds as responses: streamed, each round's new text (a trailing
+        incomplete character waits for the next round); else one response per row."""
+        flow = speculative.DraftTarget(self.models, self.engine_name, self.draft_name)
+        batch = pre["INPUT_ID"].shape[0]
+        tokens: dict[int, list[int]] = {b: [] for b in range(batch)}
+        sent: dict[int, int] = dict.fromkeys(range(batch), 0)
+        for b, new in flow.rows(engine_inputs, num_draft_tokens):
+            tokens[b] += new
+            if streaming:
+                text = self._decode_ids(tokens[b]).rstrip("\ufffd")
+                if len(text) > sent[b]:
+                    yield self._row_text(text[sent[b]:], b, batch)
+                    sent[b] = len(text)
+        if not streaming:
+            for b in range(batch):
+                text = self._decode_ids(tokens[b])
+                if not _flag(inputs, "exclude_input_in_output"):
+                    length = int(pre["REQUEST_INPUT_LEN"].reshape(-1)[b])
+                    text = self._decode_ids(pre["INPUT_ID"][b, :length].tolist() + tokens[b])
+                yield self._row_text(text, b, batch)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._decode({"TOKENS_BATCH": np.asarray([[ids]], dtype=np.int32),
+                             "SEQUENCE_LENGTH": np.asarray([[len(ids)]], dtype=np.int32)})[0].decode("utf-8")
+
+    @staticmethod
+    def _row_text(text: str, b: int, batch: int) -> Tensors:
+        out = {"text_output": np.asarray([text.encode("utf-8")], dtype=np.object_)}
+        if batch > 1:
+            out["batch_index"] = np.asarray([[b]], dtype=np.int32)
+        return out
 
     def _decode(self, post_inputs: Tensors) -> np.ndarray:
         return self.models.infer("postprocessing", post_inputs, ["OUTPUT"])["OUTPUT"].reshape(-1)

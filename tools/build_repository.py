@@ -143,6 +143,10 @@ DEFAULTS = {
     "multimodal_encoders_name": "",
     # Ours: HF PEFT adapters served by name, "name=PEFT_DIR ..." (see the module docstring).
     "lora_modules": "",
+    # Ours: a draft model (a HF folder with the same tokenizer) served as tensorrt_llm_draft, for
+    # the BLS model's num_draft_tokens; its share of the free GPU memory for its KV cache.
+    "draft_model": "",
+    "draft_kv_cache_free_gpu_mem_fraction": "0.1",
 }
 
 # The engine computes logits in fp32 and returns them so; the other two feed inputs that the
@@ -199,6 +203,9 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
     if values.get("lora_modules"):
         values = dict(values, lora_prefetch_dir=str(add_lora_modules(out, values["lora_modules"],
                                                                         Path(values["engine_dir"]))))
+    if values.get("draft_model"):
+        values = dict(values, tensorrt_llm_draft_model_name=DRAFT_MODEL_NAME)
+        add_draft_model(out, values)
     for model in MODELS:
         path = out / model / "config.pbtxt"
         text = fill(path.read_text(), values, strict=False)
@@ -212,6 +219,29 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
 
 
 LORA_DIR = Path("tensorrt_llm", "1", "lora")
+DRAFT_MODEL_NAME = "tensorrt_llm_draft"
+
+
+def add_draft_model(out: Path, values: dict[str, str]) -> None:
+    """`--draft_model DIR`: a second engine model, tensorrt_llm's config over DIR, which the BLS
+    model's draft-target flow calls (docs/speculative.md). It takes a small share of the free GPU
+    memory for its KV cache (the target, loaded first or not, keeps most of it), and neither
+    speculates itself nor serves adapters."""
+    model_dir = Path(values["draft_model"])
+    if not (model_dir / "config.json").is_file():
+        raise BuildError(f"--draft_model {model_dir} is not a Hugging Face model folder (no config.json)")
+    draft = out / DRAFT_MODEL_NAME
+    shutil.copytree(out / "tensorrt_llm", draft)
+    path = draft / "config.pbtxt"
+    draft_values = dict(values, engine_dir=str(model_dir.resolve()), speculative_decoding_type="",
+                        kv_cache_free_gpu_mem_fraction=values["draft_kv_cache_free_gpu_mem_fraction"],
+                        lora_prefetch_dir="", max_loras="")
+    text = fill(path.read_text(), draft_values, strict=False)
+    text = text.replace('name: "tensorrt_llm"', f'name: "{DRAFT_MODEL_NAME}"', 1)
+    check_config(text, "tensorrt_llm", path, draft_values)
+    path.write_text(text)
+
+
 LORA_NAMES_FILE = "lora_modules.json"  # {name: task id}, read by openai_frontend
 
 

@@ -1,8 +1,9 @@
 """Triton adapter of `tensorrt_llm_bls`: the ensemble's inputs and outputs, run as BLS calls.
 
 Inputs/outputs: `ensemble.io_contract.TENSORRT_LLM_BLS` (NVIDIA's names). Parameters (NVIDIA's):
-accumulate_tokens (default false), tensorrt_llm_model_name (default tensorrt_llm); a draft or
-multimodal model name is refused, since this repository has neither. The flow itself is
+accumulate_tokens (default false), tensorrt_llm_model_name (default tensorrt_llm),
+tensorrt_llm_draft_model_name (a draft model for num_draft_tokens > 0: `bls.speculative`); a
+multimodal model name is refused, since this repository has none. The flow itself is
 `bls.pipeline`.
 
 Each request runs on its own thread, so one instance serves many requests at once (NVIDIA's
@@ -62,13 +63,13 @@ class TritonPythonModel:
         lifeline.exit_with_server()
         model_config = json.loads(args["model_config"])
         values = params.read_parameters(model_config)
-        for key in ("tensorrt_llm_draft_model_name", "multimodal_encoders_name"):
-            if key in values:
-                raise pb_utils.TritonModelException(
-                    f"parameter {key} is set, but this repository has no draft or multimodal model")
+        if "multimodal_encoders_name" in values:
+            raise pb_utils.TritonModelException(
+                "parameter multimodal_encoders_name is set, but this repository has no multimodal model")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         self.pipeline = Pipeline(_TritonModels(), values.get("tensorrt_llm_model_name", "tensorrt_llm"),
-                                 params.get_bool(values, "accumulate_tokens", False), self.decoupled)
+                                 params.get_bool(values, "accumulate_tokens", False), self.decoupled,
+                                 values.get("tensorrt_llm_draft_model_name", ""))
 
     def execute(self, requests):
         for request in requests:

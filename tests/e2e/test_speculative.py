@@ -1,0 +1,45 @@
+"""Speculative decoding end to end: a real tritonserver whose repository was built with a draft
+model (`--draft_model`, the default model itself, so every draft is right) and the n-gram
+drafter on the target (`--speculative_decoding_type ngram`). The BLS model's draft-target flow
+(`num_draft_tokens`), streamed and not, gives the text of the same request without drafts: the
+default model runs in fp32 on the CPU, greedy, where drafts change no token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.e2e.test_nvidia_compat import stream_once, text_inputs
+from tools.local_server import running_server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def draft_server(smollm2_dir, tmp_path_factory):
+    with running_server(smollm2_dir, tmp_path_factory.mktemp("draft_server"), draft_model=smollm2_dir,
+                        speculative_decoding_type="ngram") as handle:
+        yield handle
+
+
+def _bls_text(server, stream: bool, num_draft_tokens: int) -> str:
+    values = text_inputs(max_tokens=24, stream=np.array([[stream]]), exclude_input_in_output=np.array([[True]]),
+                         top_k=np.array([[1]], np.int32),
+                         num_draft_tokens=np.array([[num_draft_tokens]], np.int32))
+    results, errors, _ = stream_once(server, values, "tensorrt_llm_bls", ["text_output"])
+    assert not errors, errors
+    return "".join(r.as_numpy("text_output")[0].decode("utf-8") for r in results)
+
+
+def test_draft_target_through_the_bls_model_gives_the_targets_text(draft_server):
+    want = _bls_text(draft_server, False, 0)
+    assert want
+    assert _bls_text(draft_server, False, 4) == want
+    assert _bls_text(draft_server, True, 4) == want
+
+
+def test_use_draft_logits_is_refused_with_a_clear_error(draft_server):
+    values = text_inputs(max_tokens=8, num_draft_tokens=np.array([[3]], np.int32),
+                         use_draft_logits=np.array([[True]]))
+    _, errors, _ = stream_once(draft_server, values, "tensorrt_llm_bls", ["text_output"])
+    assert errors and "use_draft_logits is not supported yet" in str(errors[0])

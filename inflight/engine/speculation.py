@@ -29,6 +29,7 @@ from inflight.api.config import NgramConfig, SpeculativeConfig
 from inflight.api.types import FinishReason, Request, RequestError
 from inflight.core.ngram import NgramIndex
 from inflight.engine.request_state import RequestState
+from inflight.sampling.speculative import accepted_greedy
 
 MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of misses
 
@@ -159,10 +160,7 @@ class Speculation:
         seq = state.seq
         num_draft = seq.num_draft_tokens
         end = len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)  # past a placeholder
-        draft = seq.token_ids[end - num_draft:end]
-        accepted = 0
-        while accepted < num_draft and draft[accepted] == tokens[accepted]:
-            accepted += 1
+        accepted = accepted_greedy(seq.token_ids[end - num_draft:end], tokens)
         del seq.token_ids[end - num_draft:end]
         seq.num_draft_tokens = 0
         seq.num_computed_tokens -= num_draft - accepted

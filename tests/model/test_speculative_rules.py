@@ -224,3 +224,46 @@ def test_point_mass_validation():
         point_mass_probs([0], 0)
     with pytest.raises(ValueError, match=r"draft token 7 is outside the vocabulary \[0, 6\)"):
         point_mass_probs([7], V)
+
+
+# --- sampled rows without draft probabilities: the engine compares its own samples ---------------
+
+def _compare_samples(draft_model: torch.Tensor, target_model: torch.Tensor, start: int, n: int,
+                     fresh_draw_on_mismatch: bool, generator: torch.Generator) -> torch.Tensor:
+    """The engine's rule for a sampled row (inflight.engine.speculation): a Markov target P and
+    drafter Q over V tokens, a draft of 2 tokens from Q after token `start`; the target samples
+    every position (t_j after the draft's first j tokens), the row emits t[:a + 1] with a =
+    accepted_greedy(draft, t), and plain decoding supplies a second token if only one came.
+    `fresh_draw_on_mismatch`: TensorRT-LLM's rule instead (the token at the mismatch redrawn),
+    the biased variant this test must catch. Returns the first two emitted tokens [n, 2]."""
+    def draw(rows):
+        return torch.multinomial(rows, 1, generator=generator).squeeze(1)
+
+    first = torch.full((n,), start)
+    d1 = draw(draft_model[first])
+    d2 = draw(draft_model[d1])
+    t0, t1 = draw(target_model[first]), draw(target_model[d1])
+    out0 = t0.clone()
+    if fresh_draw_on_mismatch:
+        out0 = torch.where(t0 == d1, t0, draw(target_model[first]))
+    out1 = torch.where(t0 == d1, t1, draw(target_model[out0]))  # accepted d1: t1 is the next token
+    del d2  # the second draft token only decides whether t2 is emitted, after these two
+    return torch.stack([out0, out1], 1)
+
+
+@pytest.mark.parametrize("fresh_draw", [False, True])
+def test_comparing_samples_keeps_the_target_distribution(fresh_draw):
+    """The joint law of the first two emitted tokens is p(x0) p(x1 | x0): Pearson's test over the
+    V^2 = 36 cells, df = 35, alpha = 1e-3 (critical value 66.62); n = 40000, so a joint law at total
+    variation 0.05 gives lambda >= n (2 delta)^2 = 400 (power ~1). TensorRT-LLM's redraw at a
+    mismatch emits the draft token with probability p(d)(2 - p(d)): that variant must fail."""
+    g = torch.Generator().manual_seed(11)
+    target_model = 0.8 * torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1) + 0.2 / V
+    draft_model = 0.8 * torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1) + 0.2 / V
+    n, start = 40_000, 2
+    pairs = _compare_samples(draft_model, target_model, start, n, fresh_draw, g)
+    expected = (target_model[start][:, None] * target_model).reshape(-1).double() * n  # [V * V]
+    counts = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).double()
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    critical = 66.619  # chi-square, df = 35, upper 1e-3 quantile
+    assert (statistic > critical) == fresh_draw, statistic

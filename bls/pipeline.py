@@ -126,7 +126,7 @@ class Pipeline:
             if not self.draft_name:
                 raise InputError("speculative decoding (num_draft_tokens > 0) needs a draft model, and this "
                                  "repository has none (tensorrt_llm_draft_model_name is not set)")
-            speculative.check(engine_inputs, _flag(inputs, "use_draft_logits"))
+            speculative.check(engine_inputs)
         num_sequences = _num_sequences(engine_inputs)
         if num_sequences > 1 and not self.decoupled:
             raise InputError("num_return_sequences > 1 needs a decoupled tensorrt_llm_bls model "
@@ -189,7 +189,8 @@ class Pipeline:
                    num_draft_tokens: int) -> Iterator[Tensors]:
         """`bls.speculative`'s rounds as responses: streamed, each round's new text (a trailing
         incomplete character waits for the next round); else one response per row."""
-        flow = speculative.DraftTarget(self.models, self.engine_name, self.draft_name)
+        flow = speculative.DraftTarget(self.models, self.engine_name, self.draft_name,
+                                       _flag(inputs, "use_draft_logits"))
         batch = pre["INPUT_ID"].shape[0]
         tokens: dict[int, list[int]] = {b: [] for b in range(batch)}
         sent: dict[int, int] = dict.fromkeys(range(batch), 0)

@@ -9,9 +9,13 @@ The round's tokens join the sequence; rounds go on until max_tokens, the end id 
 ends the target's answer. Every token is the target's: the output is what the target alone
 gives (greedy: token for token).
 
+With `use_draft_logits` the draft's generation logits go with its tokens as `draft_logits`, and
+the target accepts by rejection sampling against them (a sampled request then keeps more of
+the draft; greedy ones compare tokens either way).
+
 Beyond NVIDIA's flow (batch 1, no streaming): each row of a batch runs its own rounds, and a
-streamed request gets each round's new text as one response. Not built: `use_draft_logits`
-(the target does not take draft_logits yet), beams, several sequences.
+streamed request gets each round's new text as one response. Not built: beams, several
+sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ensemble.errors import InputError
+from ensemble.sampling_distribution import as_logits, sampling_distribution
 
 Tensors = dict[str, np.ndarray]
 # Inputs the rounds set themselves, or that ask for outputs the BLS flow does not return.
@@ -30,16 +35,27 @@ _ROUND_INPUTS = ("input_ids", "input_lengths", "request_output_len", "draft_inpu
                  "return_generation_logits", "return_perf_metrics", "num_return_sequences")
 
 
-def check(engine_inputs: Tensors, use_draft_logits: bool) -> None:
+def check(engine_inputs: Tensors) -> None:
     """InputError for what the flow does not do."""
-    if use_draft_logits:
-        raise InputError("use_draft_logits is not supported yet: the target verifies draft tokens by "
-                         "comparing them (draft_logits, rejection sampling, are not taken yet)")
     for name, what in (("beam_width", "beam search"), ("num_return_sequences", "several sequences")):
         value = engine_inputs.get(name)
         if value is not None and value.size and int(value.reshape(-1)[0]) > 1:
             raise InputError(f"speculative decoding (num_draft_tokens > 0) does not support {what} "
                              f"({name} > 1)")
+
+
+def _sampling(row: Tensors) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as the engine reads the row's inputs (`SamplingConfig`):
+    greedy at temperature 0, top_k 1, or with neither top_k nor top_p set (0 is unset)."""
+    def value(name):
+        v = row.get(name)
+        return v.reshape(-1)[0].item() if v is not None and v.size else None
+
+    temperature, top_k, top_p = value("temperature"), int(value("runtime_top_k") or 0), value("runtime_top_p")
+    top_p = float(top_p) if top_p else None
+    if temperature == 0.0 or top_k == 1 or (not top_k and top_p is None):
+        return 0.0, 0, 1.0
+    return float(1.0 if temperature is None else temperature), top_k, 1.0 if top_p is None else top_p
 
 
 @dataclass
@@ -49,6 +65,7 @@ class DraftTarget:
     models: object
     target: str
     draft: str
+    use_draft_logits: bool = False
 
     def rows(self, engine_inputs: Tensors, num_draft_tokens: int) -> Iterator[tuple[int, list[int]]]:
         """(batch row, the tokens of one round) for each round of each row, in order."""
@@ -66,9 +83,13 @@ class DraftTarget:
         num_generated = 0
         while num_generated < max_tokens:
             size = min(k, max_tokens - num_generated - 1)
-            draft = self._generate(self.draft, row, sequence, size) if size > 0 else []
+            want_logits = {"return_generation_logits": np.asarray([[True]])} if self.use_draft_logits else {}
+            draft, logits = ([], None) if size <= 0 else self._generate(self.draft, row, sequence, size,
+                                                                         want_logits)
             extra = {"draft_input_ids": np.asarray([draft], dtype=np.int32)} if draft else {}
-            tokens = self._generate(self.target, row, sequence, len(draft) + 1, extra)
+            if draft and logits is not None:  # the distribution the draft's sampling drew from
+                extra["draft_logits"] = as_logits(sampling_distribution(logits, *_sampling(row)))[None]
+            tokens, _ = self._generate(self.target, row, sequence, len(draft) + 1, extra)
             if tokens:
                 yield tokens
             sequence += tokens
@@ -77,14 +98,21 @@ class DraftTarget:
                 return
 
     def _generate(self, model: str, row: Tensors, sequence: list[int], num_tokens: int,
-                  extra: Tensors | None = None) -> list[int]:
+                  extra: Tensors | None = None) -> tuple[list[int], np.ndarray | None]:
+        """The model's new tokens for `sequence` (and its generation logits [n, vocab] when asked)."""
         inputs = dict(row, input_ids=np.asarray([sequence], dtype=np.int32),
                       input_lengths=np.asarray([[len(sequence)]], dtype=np.int32),
                       request_output_len=np.asarray([[num_tokens]], dtype=np.int32),
                       streaming=np.asarray([[False]]), exclude_input_in_output=np.asarray([[True]]),
                       **(extra or {}))
         tokens: list[int] = []
-        for out in self.models.stream(model, inputs, ["output_ids", "sequence_length"], ""):
+        logits = []
+        outputs = ["output_ids", "sequence_length"] + (["generation_logits"] if extra and
+                                                        "return_generation_logits" in extra else [])
+        for out in self.models.stream(model, inputs, outputs, ""):
             length = int(out["sequence_length"].reshape(-1)[0])
             tokens += out["output_ids"].reshape(-1)[:length].tolist()
-        return tokens
+            if out.get("generation_logits") is not None:
+                step_logits = out["generation_logits"]  # [1, beam 1, n, vocab]
+                logits.append(step_logits.reshape(-1, step_logits.shape[-1]))
+        return tokens, np.concatenate(logits)[:len(tokens)] if logits else None

@@ -251,8 +251,10 @@ class LLMEngine:
             for name in ("hooks", "request_ids"):  # parallel to the sampled rows
                 if name in extras:
                     extras[name] = _per_position(extras[name], drafts)
-            if "generation_logits" in extras:
-                extras["generation_logits"] = _positions_of(extras["generation_logits"], drafts)
+            extras.pop("generation_logits", None)
+            positions = _logit_positions(states, drafts)
+            if positions:
+                extras["generation_logits"] = positions
         sample = self.worker.launch(StepOrder.from_batch(batch, self.block_manager.block_size, rows, **extras))
         return sample if overlap else sample.result()
 
@@ -349,10 +351,15 @@ def _per_position(values: list, drafts: list[int]) -> list:
     return [value for value, k in zip(values, drafts) for _ in range(1 + k)]
 
 
-def _positions_of(rows: list[int], drafts: list[int]) -> list[int]:
-    """Sampled rows' indices -> the index of each one's last sampled position."""
-    ends, end = [], -1
-    for k in drafts:
-        end += 1 + k
-        ends.append(end)
-    return [ends[row] for row in rows]
+def _logit_positions(states: list[RequestState], drafts: list[int]) -> list[int]:
+    """The sampled positions whose raw logits the step keeps: a row's last one when its request
+    returns generation logits, every one of a row whose draft came with draft_logits (the
+    rejection rule reads the model's distribution there)."""
+    positions, first = [], 0
+    for state, k in zip(states, drafts):
+        if state.request.output_config.return_generation_logits:
+            positions.append(first + k)
+        elif k and state.draft_probs is not None:
+            positions.extend(range(first, first + k + 1))
+        first += 1 + k
+    return positions

@@ -65,6 +65,12 @@ class RequestState:
     # and the n-gram drafter's index of its tokens (built at its first draft).
     speculative: bool = False
     draft_index: Any = None
+    # draft_logits sent with the request's draft (`ExternalDraftTokensConfig`): the drafter's
+    # distribution [k, vocab] float32 on the host, the acceptance threshold, the host generator of
+    # the rejection rule.
+    draft_probs: Any = None
+    draft_threshold: float | None = None
+    draft_generator: Any = None
     num_missed_drafts: int = 0  # misses in a row: drafts of which nothing was accepted, or none
     next_draft_iteration: int = 0  # the engine iteration from which it may draft again
 

@@ -24,12 +24,20 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+import torch
+
 from ensemble.errors import ConfigError
 from inflight.api.config import NgramConfig, SpeculativeConfig
 from inflight.api.types import FinishReason, Request, RequestError
 from inflight.core.ngram import NgramIndex
 from inflight.engine.request_state import RequestState
-from inflight.sampling.speculative import accepted_greedy
+from inflight.sampling.speculative import (
+    accepted_greedy,
+    draft_probs_from_logits,
+    target_probs,
+    verify_with_draft_probs,
+)
 
 MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of misses
 
@@ -87,9 +95,6 @@ class Speculation:
         draft = request.external_draft_tokens_config
         if draft is None:
             return
-        if draft.logits is not None or draft.acceptance_threshold is not None:
-            raise RequestError("draft_logits and draft_acceptance_threshold are not supported yet: send "
-                               "draft_input_ids alone (they are verified by comparing tokens)")
         if self.tensor_parallel and draft.tokens:
             raise RequestError("draft_input_ids are not supported with tensor_parallel_size > 1 yet")
         limit = self.config.max_draft_tokens
@@ -99,6 +104,17 @@ class Speculation:
         if draft.tokens and not all(0 <= t < self.vocab_size for t in draft.tokens):
             raise RequestError(f"draft_input_ids hold an id outside the vocabulary of {self.vocab_size} "
                                f"tokens")
+        threshold = draft.acceptance_threshold
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise RequestError(f"draft_acceptance_threshold must be > 0 and <= 1, got {threshold}")
+        if draft.logits is not None:
+            shape = tuple(np.shape(draft.logits))  # [k, vocab]
+            if shape != (len(draft.tokens), self.vocab_size):
+                raise RequestError(f"draft_logits must be [num_draft_tokens, vocab_size] = "
+                                   f"[{len(draft.tokens)}, {self.vocab_size}], got {list(shape)}")
+            config = request.output_config
+            if config.return_log_probs or config.num_top_log_probs:
+                raise RequestError("log probs with draft_logits are not supported yet")
 
     def admit(self, state: RequestState) -> None:
         """A new request's own draft becomes its first step's (cut to what max_tokens can emit:
@@ -110,6 +126,14 @@ class Speculation:
         if draft is not None and draft.tokens and state.sequence_index == 0 and state.seq.max_new_tokens > 1:
             state.seq.add_draft(list(draft.tokens[:state.seq.max_new_tokens - 1]))
             self._external.add(state)
+            if draft.logits is not None:
+                logits = torch.as_tensor(np.asarray(draft.logits, dtype=np.float32))
+                logits = logits[:state.seq.num_draft_tokens]
+                try:
+                    state.draft_probs = draft_probs_from_logits(logits)
+                except ValueError as exc:
+                    raise RequestError(str(exc)) from None
+                state.draft_threshold = draft.acceptance_threshold
         state.speculative = self.drafter is not None or bool(state.seq.num_draft_tokens)
         self._next_draft_iteration = 0
 
@@ -161,13 +185,45 @@ class Speculation:
         num_draft = seq.num_draft_tokens
         end = len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)  # past a placeholder
         accepted = accepted_greedy(seq.token_ids[end - num_draft:end], tokens)
+        self._settle(state, num_draft, accepted, end, iteration)
+        return accepted
+
+    def verify_with_probs(self, state: RequestState, logits: torch.Tensor, iteration: int) -> list[int]:
+        """A draft sent with draft_logits: TensorRT-LLM's rejection rule between the model's
+        sampling distribution at the row's 1 + k positions (`logits` [1 + k, vocab], raw) and the
+        drafter's (`inflight.sampling.speculative`); returns the tokens the request emits. Greedy
+        rows compare tokens (the rule reduces to that when the model's distribution is one-hot)."""
+        seq, row = state.seq, state.sampling_row
+        num_draft = seq.num_draft_tokens
+        end = len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)
+        draft = seq.token_ids[end - num_draft:end]
+        probs = target_probs(logits, row.temperature, row.top_k, row.top_p)
+        if row.is_greedy:
+            emitted = probs.argmax(-1).tolist()
+            accepted = accepted_greedy(draft, emitted)
+            emitted = emitted[:accepted + 1]
+        else:
+            if state.draft_generator is None:
+                seed = state.request.sampling_config.seed
+                state.draft_generator = torch.Generator()
+                state.draft_generator.manual_seed(seed) if seed is not None else state.draft_generator.seed()
+            verdict = verify_with_draft_probs(probs, state.draft_probs, draft, state.draft_generator,
+                                              state.draft_threshold)
+            accepted, emitted = verdict.num_accepted, verdict.tokens
+        state.draft_probs = None  # a request's own draft is for its first step only
+        self._settle(state, num_draft, accepted, end, iteration)
+        return emitted
+
+    def _settle(self, state: RequestState, num_draft: int, accepted: int, end: int, iteration: int) -> None:
+        """The draft leaves the sequence, the computed count is cut to the accepted part, the
+        counts and the back-off move on."""
+        seq = state.seq
         del seq.token_ids[end - num_draft:end]
         seq.num_draft_tokens = 0
         seq.num_computed_tokens -= num_draft - accepted
         state.outputs.num_draft_tokens += num_draft
         state.outputs.num_accepted_draft_tokens += accepted
         _backoff(state, iteration, accepted > 0)
-        return accepted
 
 
 def _backoff(state: RequestState, iteration: int, accepted: bool) -> None:

@@ -12,6 +12,8 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from inflight.api.types import FinishReason, Response
 from inflight.core.block_manager import BlockManager
 from inflight.core.outputs import SchedulerOutput
@@ -115,21 +117,33 @@ class StepUpdate:
         for state, num_drafts in zip(flight.states, flight.drafts):
             first = position
             position += 1 + num_drafts
-            logits = None
+            logits = draft_logits = None
             if logit_rows is not None and state.outputs.config.return_generation_logits:
                 logits = next(logit_rows)
+            elif logit_rows is not None and num_drafts and state.draft_probs is not None:
+                draft_logits = torch.stack([next(logit_rows) for _ in range(1 + num_drafts)])
             if live.get(state.key) is not state:
                 continue
-            num_accepted = self.speculation.verify(state, tokens[first:position], flight.iteration) \
-                if num_drafts else 0
-            for p in range(first, first + num_accepted + 1):
-                if p in output.errors or not 0 <= tokens[p] < self.vocab_size:
-                    reason = self._bad_token(p, tokens[p], output, state)
+            if draft_logits is not None:  # the rejection rule picks the tokens (no log probs asked)
+                try:
+                    emitted = self.speculation.verify_with_probs(state, draft_logits, flight.iteration)
+                except ValueError as exc:  # the model's distribution broke (NaN logits)
+                    responses.append(self.live.fail_request(state, f"draft verification failed: {exc}"))
+                    continue
+                items = [(token, None, None, None) for token in emitted]
+            else:
+                num_accepted = self.speculation.verify(state, tokens[first:position], flight.iteration) \
+                    if num_drafts else 0
+                items = [(tokens[p], log_probs[p], tops[p] if tops else None, p)
+                         for p in range(first, first + num_accepted + 1)]
+            for token, log_prob, top, p in items:
+                if p is not None and (p in output.errors or not 0 <= token < self.vocab_size):
+                    reason = self._bad_token(p, token, output, state)
                     if reason:
                         responses.append(self.live.fail_request(state, reason))
                         break
                 try:
-                    state.accept_token(tokens[p], log_probs[p], logits, tops[p] if tops else None)
+                    state.accept_token(token, log_prob, logits, top)
                 except Exception as exc:  # a user StoppingCriteria raised: fail that request only
                     responses.append(self.live.fail_request(state, f"stopping criteria failed: {exc}"))
                     break

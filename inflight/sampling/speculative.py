@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ensemble.sampling_distribution import sampling_distribution
+
 # A residual lighter than this is float rounding of p == q (TensorRT-LLM would divide by ~0): draw from p.
 # A random threshold rejects with probability TV(p, q) below this, so the bias is negligible.
 _RESIDUAL_EPS = 1e-6
@@ -70,6 +72,14 @@ def draft_probs_from_logits(draft_logits: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(logits.amax(dim=-1)).all():
         raise ValueError("draft_logits: every row needs at least one finite logit")
     return torch.softmax(logits, dim=-1)
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] raw logits -> [n, V] float32: the distribution a request samples from at each
+    position (`ensemble.sampling_distribution`: temperature, top-k, top-p; greedy is one-hot)."""
+    probs = sampling_distribution(logits.detach().float().cpu().numpy(), temperature, top_k, top_p)
+    return torch.from_numpy(probs)
 
 
 def point_mass_probs(draft: Sequence[int], vocab_size: int) -> torch.Tensor:

@@ -43,10 +43,6 @@ UNSUPPORTED_INPUTS = {
     "mrope_rotary_cos_sin": "multimodal (Qwen2-VL mrope) inputs are not supported",
     "mrope_position_deltas": "multimodal (Qwen2-VL mrope) inputs are not supported",
     "prompt_embedding_table": "prompt tuning (p-tuning) is not supported",
-    "draft_logits": "draft_logits (rejection sampling) is not supported yet; draft_input_ids alone are "
-                    "verified by comparing tokens",
-    "draft_acceptance_threshold": "draft_acceptance_threshold (with draft_logits) is not supported yet; "
-                                  "draft_input_ids alone are verified by comparing tokens",
     "context_phase_params": "disaggregated serving is not supported",
 }
 _LOOKAHEAD = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
@@ -170,11 +166,20 @@ def lora_config(inputs, index: int) -> LoraConfig | None:
 
 
 def external_draft(inputs, index: int) -> ExternalDraftTokensConfig | None:
-    """`draft_input_ids` (ragged INT32): a draft model's tokens for the request's first step."""
+    """`draft_input_ids` (ragged INT32): a draft model's tokens for the request's first step, with
+    its `draft_logits` [num_draft_tokens, vocab] and `draft_acceptance_threshold` if sent."""
     tokens = row(inputs, "draft_input_ids", index)
+    logits = row(inputs, "draft_logits", index)
+    threshold = scalar(inputs, "draft_acceptance_threshold", index, float)
     if tokens is None or tokens.size == 0:
+        if logits is not None and logits.size:
+            raise RequestError("draft_logits need the draft_input_ids they are for")
         return None
-    return ExternalDraftTokensConfig([int(t) for t in tokens.reshape(-1)])
+    if logits is not None and logits.size:
+        logits = logits.astype(np.float32).reshape(-1, logits.shape[-1])
+    else:
+        logits = None
+    return ExternalDraftTokensConfig([int(t) for t in tokens.reshape(-1)], logits, threshold)
 
 
 def guided_decoding(inputs, index: int) -> GuidedDecodingParams | None:

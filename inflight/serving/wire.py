@@ -78,8 +78,7 @@ def request_to_wire(request: Request) -> dict:
         "guided": None if guided is None else [guided.guide_type, guided.guide],
         "client_id": request.client_id,
         "lora": _lora_to_wire(request.lora_config),
-        "draft": None if request.external_draft_tokens_config is None else
-        list(request.external_draft_tokens_config.tokens),
+        "draft": _draft_to_wire(request.external_draft_tokens_config),
     }
 
 
@@ -108,8 +107,24 @@ def _lora_from_wire(data: list | None) -> LoraConfig | None:
     return LoraConfig(data[0], array(data[1]), array(data[2]))
 
 
-def _draft_from_wire(tokens: list | None) -> ExternalDraftTokensConfig | None:
-    return None if tokens is None else ExternalDraftTokensConfig(tokens)
+def _draft_to_wire(draft: ExternalDraftTokensConfig | None) -> list | None:
+    """[tokens, logits as [shape, float32 bytes] or None, threshold]."""
+    if draft is None:
+        return None
+    logits = None
+    if draft.logits is not None:
+        values = np.ascontiguousarray(draft.logits, dtype=np.float32)
+        logits = [list(values.shape), values.tobytes()]
+    return [list(draft.tokens), logits, draft.acceptance_threshold]
+
+
+def _draft_from_wire(data: list | None) -> ExternalDraftTokensConfig | None:
+    if data is None:
+        return None
+    tokens, logits, threshold = data
+    if logits is not None:
+        logits = np.frombuffer(logits[1], dtype=np.float32).reshape(logits[0])
+    return ExternalDraftTokensConfig(tokens, logits, threshold)
 
 
 def request_from_wire(data: dict) -> Request:

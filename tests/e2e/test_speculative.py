@@ -22,9 +22,9 @@ def draft_server(smollm2_dir, tmp_path_factory):
         yield handle
 
 
-def _bls_text(server, stream: bool, num_draft_tokens: int) -> str:
+def _bls_text(server, stream: bool, num_draft_tokens: int, use_draft_logits: bool = False) -> str:
     values = text_inputs(max_tokens=24, stream=np.array([[stream]]), exclude_input_in_output=np.array([[True]]),
-                         top_k=np.array([[1]], np.int32),
+                         top_k=np.array([[1]], np.int32), use_draft_logits=np.array([[use_draft_logits]]),
                          num_draft_tokens=np.array([[num_draft_tokens]], np.int32))
     results, errors, _ = stream_once(server, values, "tensorrt_llm_bls", ["text_output"])
     assert not errors, errors
@@ -36,10 +36,4 @@ def test_draft_target_through_the_bls_model_gives_the_targets_text(draft_server)
     assert want
     assert _bls_text(draft_server, False, 4) == want
     assert _bls_text(draft_server, True, 4) == want
-
-
-def test_use_draft_logits_is_refused_with_a_clear_error(draft_server):
-    values = text_inputs(max_tokens=8, num_draft_tokens=np.array([[3]], np.int32),
-                         use_draft_logits=np.array([[True]]))
-    _, errors, _ = stream_once(draft_server, values, "tensorrt_llm_bls", ["text_output"])
-    assert errors and "use_draft_logits is not supported yet" in str(errors[0])
+    assert _bls_text(draft_server, True, 4, use_draft_logits=True) == want  # draft_logits cross the wire

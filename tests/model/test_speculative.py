@@ -120,8 +120,6 @@ def test_a_sampled_request_draws_each_position_in_order(plain):
     (ExternalDraftTokensConfig(list(range(17))),
      "Number of draft tokens (17) is larger than maximum number of draft tokens (16)"),
     (ExternalDraftTokensConfig([1, 10 ** 6]), "draft_input_ids hold an id outside the vocabulary"),
-    (ExternalDraftTokensConfig([1, 2], logits=[[0.0]]),
-     "draft_logits and draft_acceptance_threshold are not"),
 ])
 def test_bad_drafts_are_refused_alone(plain, want, draft, message):
     with pytest.raises(RequestError, match=None) as info:
@@ -183,3 +181,42 @@ def test_no_drafts_while_the_batch_is_large(tiny_dir, want):
     assert [output_tokens(r) for r in results] == [w[:n] for w, n in zip(want, lengths)]
     drafted = [_metrics(r).total_draft_tokens for r in results]
     assert drafted[2:] == [0, 0, 0, 0] and drafted[0] > 0 and drafted[1] > 0
+
+
+def test_draft_logits_of_the_targets_own_distribution_are_all_accepted(plain):
+    """A sampled request whose draft is its own earlier sampled output, with draft_logits giving
+    the distribution each token was drawn from (the model's, at the same temperature and top-k):
+    p / q = 1 at every draft position (up to float noise), so the rejection rule accepts all of it.
+    A greedy request with arbitrary draft_logits compares tokens and keeps its greedy output."""
+    from ensemble.sampling_distribution import as_logits, sampling_distribution
+
+    config = SamplingConfig(temperature=0.8, top_k=20, seed=3)
+    request = gen_request(PROMPTS[4], 12, sampling_config=config)
+    request.output_config.return_generation_logits = True
+    [responses] = run(plain, [request])
+    tokens = output_tokens(responses)
+    logits = responses[-1].result.generation_logits[0].numpy()  # [12, vocab]: what drew each token
+    k = 6
+    q_logits = as_logits(sampling_distribution(logits[:k], 0.8, 20))
+    draft = ExternalDraftTokensConfig(tokens[:k], q_logits)
+    [again] = run(plain, [_with_metrics(gen_request(PROMPTS[4], 12, sampling_config=config,
+                                                    external_draft_tokens_config=draft))])
+    assert output_tokens(again)[:k] == tokens[:k]
+    assert (_metrics(again).total_draft_tokens, _metrics(again).total_accepted_draft_tokens) == (k, k)
+
+    noise = ExternalDraftTokensConfig([7, 8, 9], [[0.0] * 500] * 3, acceptance_threshold=0.5)
+    greedy = run(plain, [gen_request(PROMPTS[0], 40, external_draft_tokens_config=noise)])[0]
+    assert output_tokens(greedy) == output_tokens(run(plain, [gen_request(PROMPTS[0], 40)])[0])
+
+
+@pytest.mark.parametrize("draft, extra, message", [
+    (ExternalDraftTokensConfig([1, 2], [[0.0] * 500]), {}, "draft_logits must be [num_draft_tokens, vocab_size]"),
+    (ExternalDraftTokensConfig([1, 2], [[0.0] * 500] * 2), {"return_log_probs": True},
+     "log probs with draft_logits are not supported yet"),
+    (ExternalDraftTokensConfig([1, 2], None, acceptance_threshold=1.5), {},
+     "draft_acceptance_threshold must be > 0 and <= 1"),
+])
+def test_bad_draft_logits_are_refused(plain, draft, extra, message):
+    with pytest.raises(RequestError, match=None) as info:
+        plain.add_request(gen_request(PROMPTS[0], 8, external_draft_tokens_config=draft, **extra))
+    assert message in str(info.value)

@@ -13,6 +13,7 @@ from bls.pipeline import Pipeline
 from ensemble.errors import InputError
 
 STORY = "the cat sat on the mat and the dog sat on the log."
+VOCAB = 128
 
 
 def _next_chars(prompt: str, num: int, wrong_every: int = 0) -> str:
@@ -28,6 +29,7 @@ def _next_chars(prompt: str, num: int, wrong_every: int = 0) -> str:
 class FakeModels:
     def __init__(self, end_after: int | None = None):
         self.calls: list[tuple[str, str, list[int]]] = []  # (model, sequence, draft ids)
+        self.inputs: list[tuple[str, dict]] = []
         self.end_after = end_after  # the target's answer ends (end id) after this many characters
 
     def infer(self, model, inputs, outputs):
@@ -46,12 +48,18 @@ class FakeModels:
         num = int(inputs["request_output_len"].reshape(-1)[0])
         draft = inputs["draft_input_ids"].reshape(-1).tolist() if "draft_input_ids" in inputs else []
         self.calls.append((model, sequence, draft))
+        self.inputs.append((model, inputs))
         answer = _next_chars(sequence, num, wrong_every=5 if model == "draft" else 0)
         if model == "tensorrt_llm" and self.end_after is not None:
             done = len(sequence) - sequence.index("|") - 1
             answer = answer[:max(0, self.end_after - done)]
         ids = [ord(c) for c in answer]
-        yield {"output_ids": np.array([[ids]], np.int32), "sequence_length": np.array([[len(ids)]], np.int32)}
+        out = {"output_ids": np.array([[ids]], np.int32), "sequence_length": np.array([[len(ids)]], np.int32)}
+        if "return_generation_logits" in inputs:  # the drafted token 4.0 above the rest, +0.001 per id
+            logits = np.tile(np.arange(VOCAB, dtype=np.float32) * 0.001, (len(ids), 1))
+            logits[np.arange(len(ids)), ids] += 4.0
+            out["generation_logits"] = logits[None, None]
+        yield out
 
     def stop(self, model, request_id):
         pass
@@ -95,9 +103,32 @@ def test_the_last_round_is_cut_to_max_tokens_and_an_end_stops_the_rounds():
 def test_what_the_flow_refuses():
     with pytest.raises(InputError, match="needs a draft model"):
         list(Pipeline(FakeModels()).run(_request(8), "r"))
-    with pytest.raises(InputError, match="use_draft_logits is not supported yet"):
-        list(Pipeline(FakeModels(), draft_name="draft").run(_request(8, use_draft_logits=np.array([[True]])),
-                                                            "r"))
     with pytest.raises(InputError, match="beam search"):
         list(Pipeline(FakeModels(), draft_name="draft").run(_request(8, beam_width=np.array([[2]], np.int32)),
                                                             "r"))
+
+
+@pytest.mark.parametrize("sampling, num_finite", [
+    ({}, 1), ({"temperature": np.array([[0.5]], np.float32), "runtime_top_k": np.array([[3]], np.int32)}, 3)])
+def test_use_draft_logits_sends_the_distribution_the_draft_drew_from(sampling, num_finite):
+    """The draft's generation logits become draft_logits whose plain softmax (TensorRT-LLM's q) is
+    the distribution the draft sampled from: greedy, all mass on its token (log 1 = 0, -inf
+    elsewhere); temperature 0.5 with top-k 3, three finite entries whose softmax is that."""
+    from ensemble.sampling_distribution import sampling_distribution
+
+    models = FakeModels()
+    inputs = _request(12, use_draft_logits=np.array([[True]]), **sampling)
+    assert _text(Pipeline(models, draft_name="draft").run(inputs, "r")) == STORY[:12]
+    sent = [(i["draft_input_ids"][0], i["draft_logits"][0]) for m, i in models.inputs
+            if m == "tensorrt_llm" and "draft_logits" in i]
+    assert sent
+    for draft, logits in sent:
+        assert logits.shape == (len(draft), VOCAB)
+        assert (np.isfinite(logits).sum(-1) == num_finite).all()
+        assert (logits.argmax(-1) == draft).all()
+        if num_finite == 3:
+            raw = np.tile(np.arange(VOCAB, dtype=np.float32) * 0.001, (len(draft), 1))
+            raw[np.arange(len(draft)), draft] += 4.0
+            want = sampling_distribution(raw, 0.5, 3)
+            got = np.exp(logits - logits.max(-1, keepdims=True))
+            np.testing.assert_allclose(got / got.sum(-1, keepdims=True), want, rtol=1e-5, atol=1e-7)

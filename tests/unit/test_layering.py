@@ -22,7 +22,7 @@ from tests.conftest import REPO_ROOT
 TORCH_FREE = [
     "inflight.intmath", "inflight.core.block_manager", "inflight.core.scheduler", "inflight.core.sequence",
     "inflight.core.outputs", "inflight.core.beam_search", "inflight.core.ngram", "inflight.api.types",
-    "inflight.api.config",
+    "inflight.api.config", "ensemble.sampling_distribution", "bls.speculative",
     "inflight.api.stats", "inflight.api.features", "inflight.serving.convert",
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
     "inflight.hosts.backend", "inflight.serving.wire", "inflight.serving.request_table", "inflight.serving.poll_turns",

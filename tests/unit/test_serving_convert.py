@@ -82,7 +82,7 @@ def test_batch_rows_become_separate_requests_with_their_own_lengths():
     ({"prompt_embedding_table": np.zeros((1, 2, 4), dtype=np.float16)}, True,
      "input 'prompt_embedding_table': prompt tuning (p-tuning) is not supported by this engine"),
     ({"draft_logits": np.zeros((1, 2, 4), dtype=np.float32)}, True,
-     "draft_logits (rejection sampling) is not supported"),
+     "draft_logits need the draft_input_ids they are for"),
     ({"lookahead_window_size": np.array([[7]], dtype=np.int32)}, True,
      "can only be set if the model instance lookahead parameters are also specified"),
     ({"retention_token_range_starts": np.array([[0]], dtype=np.int32)}, True,

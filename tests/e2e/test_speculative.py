@@ -23,8 +23,9 @@ def draft_server(smollm2_dir, tmp_path_factory):
 
 
 def _bls_text(server, stream: bool, num_draft_tokens: int, use_draft_logits: bool = False) -> str:
-    values = text_inputs(max_tokens=24, stream=np.array([[stream]]), exclude_input_in_output=np.array([[True]]),
-                         top_k=np.array([[1]], np.int32), use_draft_logits=np.array([[use_draft_logits]]),
+    values = text_inputs(max_tokens=24, stream=np.array([[stream]]),
+                         exclude_input_in_output=np.array([[True]]), top_k=np.array([[1]], np.int32),
+                         use_draft_logits=np.array([[use_draft_logits]]),
                          num_draft_tokens=np.array([[num_draft_tokens]], np.int32))
     results, errors, _ = stream_once(server, values, "tensorrt_llm_bls", ["text_output"])
     assert not errors, errors

@@ -42,3 +42,27 @@ def test_verify_steps_give_the_plain_tokens(folder, graphs):
         engine.speculation.drafter = drafter
         assert [output_tokens(r) for r in run(engine, [gen_request(p, 40) for p in PROMPTS])] == want
     engine.close()
+
+
+def test_draft_logits_of_the_models_own_distribution_are_accepted(folder):
+    """tests/model/test_speculative.py's rejection-rule check on CUDA (graphs on): the verify
+    step's raw logits reach the host rule from the mixed-step graph's logits buffer."""
+    from ensemble.sampling_distribution import as_logits, sampling_distribution
+    from inflight.api.types import ExternalDraftTokensConfig, SamplingConfig
+
+    engine = LLMEngine.from_dir(folder, ExecutorConfig(device="cuda", dtype="float32",
+                                                       kv_cache_config=DEFAULT_KV, max_batch_size=8))
+    config = SamplingConfig(temperature=0.8, top_k=20, seed=3)
+    request = gen_request(PROMPTS[4], 12, sampling_config=config)
+    request.output_config.return_generation_logits = True
+    [responses] = run(engine, [request])
+    tokens = output_tokens(responses)
+    logits = responses[-1].result.generation_logits[0].cpu().numpy()
+    draft = ExternalDraftTokensConfig(tokens[:6], as_logits(sampling_distribution(logits[:6], 0.8, 20)))
+    again = gen_request(PROMPTS[4], 12, sampling_config=config, external_draft_tokens_config=draft)
+    again.output_config.return_perf_metrics = True
+    [responses] = run(engine, [again])
+    metrics = responses[-1].result.request_perf_metrics
+    assert output_tokens(responses)[:6] == tokens[:6]
+    assert (metrics.total_draft_tokens, metrics.total_accepted_draft_tokens) == (6, 6)
+    engine.close()

@@ -210,7 +210,8 @@ def test_draft_logits_of_the_targets_own_distribution_are_all_accepted(plain):
 
 
 @pytest.mark.parametrize("draft, extra, message", [
-    (ExternalDraftTokensConfig([1, 2], [[0.0] * 500]), {}, "draft_logits must be [num_draft_tokens, vocab_size]"),
+    (ExternalDraftTokensConfig([1, 2], [[0.0] * 500]), {},
+     "draft_logits must be [num_draft_tokens, vocab_size]"),
     (ExternalDraftTokensConfig([1, 2], [[0.0] * 500] * 2), {"return_log_probs": True},
      "log probs with draft_logits are not supported yet"),
     (ExternalDraftTokensConfig([1, 2], None, acceptance_threshold=1.5), {},

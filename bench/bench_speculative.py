@@ -36,7 +36,7 @@ from bench_gpu_runs import random_prompts, sync
 from inflight.api.config import ExecutorConfig, KvCacheConfig, NgramConfig, SpeculativeConfig
 from inflight.api.types import OutputConfig, Request
 from inflight.engine.llm_engine import LLMEngine
-from inflight.engine.speculation import NgramDrafter
+from inflight.engine.drafters import NgramDrafter
 from tools.drafters import KnownContinuation
 
 COPY_TASKS = [

@@ -121,6 +121,7 @@ DEFAULTS = {
     "lora_prefetch_dir": "",
     # Ours: speculative decoding (TensorRT-LLM's LLM API names where it has them); see docs/speculative.md.
     "speculative_decoding_type": "",
+    "speculative_model_dir": "",
     "max_draft_len": "",
     "max_matching_ngram_size": "",
     "min_matching_ngram_size": "",

@@ -20,7 +20,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def tiny_hf_model(kind: str) -> torch.nn.Module:
+def tiny_hf_model(kind: str, seed: int = 1234) -> torch.nn.Module:
     """A deterministic (seeded) tiny random model of one architecture, in eval mode."""
     if kind == "llama3":
         cfg = transformers.LlamaConfig(**TINY_COMMON, rope_parameters=dict(LLAMA3_ROPE),
@@ -34,7 +34,7 @@ def tiny_hf_model(kind: str) -> torch.nn.Module:
         cls = transformers.MistralForCausalLM
     else:
         raise AssertionError(kind)
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():  # HF inits biases to 0 and norms to 1; make them matter
         for name, p in model.named_parameters():
@@ -45,9 +45,9 @@ def tiny_hf_model(kind: str) -> torch.nn.Module:
     return model
 
 
-def save_tiny_checkpoint(kind: str, path: Path) -> torch.nn.Module:
-    """Writes `tiny_hf_model(kind)` to `path` (a HF folder) and returns the HF model."""
-    model = tiny_hf_model(kind)
+def save_tiny_checkpoint(kind: str, path: Path, seed: int = 1234) -> torch.nn.Module:
+    """Writes `tiny_hf_model(kind, seed)` to `path` (a HF folder) and returns the HF model."""
+    model = tiny_hf_model(kind, seed)
     model.save_pretrained(path)
     return model
 

@@ -223,6 +223,24 @@ class NgramConfig:
 
 
 @dataclass(frozen=True)
+class DraftModelConfig:
+    """A draft model in the engine's process (`inflight.engine.drafters.DraftModelDrafter`): a
+    Hugging Face folder of a smaller model with the same tokenizer."""
+
+    model_dir: str
+    max_draft_tokens: int = 4
+    # Its KV cache: a share of the GPU memory still free once the model's own KV cache is sized
+    # (on CUDA), or this many tokens (on the CPU, or to cap it).
+    kv_cache_free_gpu_mem_fraction: float = 0.5
+    max_kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_draft_tokens >= 1, f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        _check(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
+               f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction}")
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding. A draft sent with a request (`draft_input_ids`, TensorRT-LLM's
     external draft tokens) is verified in the request's next step whenever one comes; `ngram`
@@ -232,12 +250,14 @@ class SpeculativeConfig:
     # The longest draft a request may send (TensorRT-LLM's engine limit, max_draft_len).
     max_draft_tokens: int = 16
     ngram: NgramConfig | None = None
+    draft_model: DraftModelConfig | None = None  # instead of ngram
     # The engine's drafter stops while more requests than this run: a large batch is bound by
     # compute, where verifying drafts costs more than the weight reads it saves.
     max_draft_batch_size: int = 32
 
     def __post_init__(self) -> None:
         _check(self.max_draft_tokens >= 0, f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        _check(self.ngram is None or self.draft_model is None, "set ngram or draft_model, not both")
         _check(self.max_draft_batch_size >= 1,
                f"max_draft_batch_size must be >= 1, got {self.max_draft_batch_size}")
 

@@ -2,9 +2,10 @@
 tokens are verified after it.
 
 A draft is appended to its sequence (`Sequence.add_draft`) before the scheduler runs: from the
-request (`draft_input_ids`, for its first step) or from the n-gram drafter (`NgramIndex`, each
-step of a decoding row). The step computes the last verified token and the draft together and
-samples at each of those 1 + k positions (the worker's sampled positions). The target's token at
+request (`draft_input_ids`, for its first step) or from the engine's drafter (the n-gram index or
+a draft model, `inflight.engine.drafters`, each step of a decoding row). The step computes the
+last verified token and the draft together and samples at each of those 1 + k positions (the
+worker's sampled positions). The target's token at
 position j is its choice after the draft's first j tokens: the draft's first a tokens are
 accepted while each equals the target's token before it, and the request emits the target's
 tokens 0..a, the accepted draft and then the target's own next token. Each emitted token is
@@ -22,15 +23,13 @@ bans `end_id` a row decodes plainly. Steps with drafts run synchronously and eag
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 import torch
 
 from ensemble.errors import ConfigError
-from inflight.api.config import NgramConfig, SpeculativeConfig
+from inflight.api.config import ExecutorConfig
 from inflight.api.types import FinishReason, Request, RequestError
-from inflight.core.ngram import NgramIndex
+from inflight.engine.drafters import Drafter, start_drafter
 from inflight.engine.request_state import RequestState
 from inflight.sampling.speculative import (
     accepted_greedy,
@@ -49,45 +48,31 @@ def speculates(state: RequestState) -> bool:
             and not request.output_config.return_generation_logits and not row.bad_words)
 
 
-class NgramDrafter:
-    """Prompt lookup (`inflight.core.ngram`): each request's index of its verified tokens."""
-
-    def __init__(self, config: NgramConfig) -> None:
-        self.config = config
-
-    def propose(self, asks: list[tuple[RequestState, int]]) -> list[list[int]]:
-        drafts = []
-        for state, max_tokens in asks:
-            tokens = state.seq.token_ids
-            index = state.draft_index
-            if index is None:
-                index = state.draft_index = NgramIndex(self.config, tokens)
-            else:
-                index.extend(tokens[index.num_tokens:])
-            drafts.append(index.propose(max_tokens))
-        return drafts
-
-
-class Drafter(Protocol):
-    def propose(self, asks: list[tuple[RequestState, int]]) -> list[list[int]]:
-        """A draft (possibly empty) for each (running request about to decode, at most this many
-        tokens); the request's verified tokens are `state.seq.token_ids`."""
-
-
 class Speculation:
     """Drafts and their verification for the live requests of one engine. `drafter`: the
-    engine's own (`SpeculativeConfig.ngram`; None: only drafts sent with requests)."""
+    engine's own (`inflight.engine.drafters`: SpeculativeConfig.ngram or .draft_model; None: only
+    drafts sent with requests)."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, tensor_parallel: bool) -> None:
-        self.config = config
+    def __init__(self, executor_config: ExecutorConfig, vocab_size: int, tensor_parallel: bool,
+                 start_engine=None) -> None:
+        """`start_engine(model_dir, config)`: how a draft model's engine starts (`LLMEngine.from_dir`)."""
+        config = self.config = executor_config.speculative_config
         self.vocab_size = vocab_size
         self.tensor_parallel = tensor_parallel
-        if config.ngram is not None and tensor_parallel:
-            raise ConfigError("speculative decoding (ngram) is not supported with tensor_parallel_size > 1 "
-                              "yet")
-        self.drafter: Drafter | None = NgramDrafter(config.ngram) if config.ngram is not None else None
+        if (config.ngram is not None or config.draft_model is not None) and tensor_parallel:
+            raise ConfigError("the engine's own drafter (ngram, draft_model) is not supported with "
+                              "tensor_parallel_size > 1 yet")
+        self.drafter: Drafter | None = start_drafter(config, executor_config, start_engine)
+        check = getattr(self.drafter, "check_vocabulary", None)
+        if check is not None:
+            check(vocab_size)
         self._external: set[RequestState] = set()  # requests whose own draft waits for its step
         self._next_draft_iteration = 0  # no request may draft before this engine iteration
+
+    def close(self) -> None:
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
 
     def validate(self, request: Request) -> None:
         """RequestError, with TensorRT-LLM's text where it has one, for a draft the engine
@@ -160,8 +145,10 @@ class Speculation:
             seq = state.seq
             num_left = seq.max_new_tokens - seq.num_generated_tokens - 1  # after the step's own token
             row = state.sampling_row
-            if (num_left <= 0 or seq.num_draft_tokens or seq.num_uncomputed_tokens != 1 or not state.speculative
-                    or seq.token_ids[-1] < 0 or row.num_generated_tokens < row.min_tokens):
+            ready = seq.num_uncomputed_tokens == 1 and not seq.num_draft_tokens and seq.token_ids[-1] >= 0
+            if num_left <= 0 or not ready or not state.speculative:
+                continue
+            if row.num_generated_tokens < row.min_tokens:  # end_id still banned: differs per position
                 continue
             if iteration >= state.next_draft_iteration:
                 asks.append((state, min(num_left, self.config.max_draft_tokens)))

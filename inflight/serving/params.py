@@ -10,6 +10,7 @@ from ensemble.errors import ConfigError
 from ensemble.params import get_bool, get_float, get_int
 from inflight.api.config import (
     CapacitySchedulerPolicy,
+    DraftModelConfig,
     ExecutorConfig,
     ExtendedRuntimePerfKnobConfig,
     GuidedDecodingBackend,
@@ -179,15 +180,17 @@ def peft_cache_config(params: dict[str, str]) -> PeftCacheConfig | None:
         lora_prefetch_dir=params.get("lora_prefetch_dir") or None)
 
 
-SPECULATIVE_TYPES = ("ngram",)
+SPECULATIVE_TYPES = ("ngram", "draft_target")
 
 
 def speculative_config(params: dict[str, str]) -> SpeculativeConfig:
     """Drafts sent with requests (draft_input_ids) are always verified, up to `max_draft_len`
-    tokens (TensorRT-LLM's engine limit; 16 here when unset). `speculative_decoding_type: ngram`
-    adds the engine's own prompt-lookup drafter (the keys are TensorRT-LLM's LLM API
-    `speculative_config` names: max_draft_len, max_matching_ngram_size; ours:
-    min_matching_ngram_size, max_draft_batch_size)."""
+    tokens (TensorRT-LLM's engine limit; 16 here when unset). `speculative_decoding_type` adds
+    the engine's own drafter: `ngram` (prompt lookup) or `draft_target` (the model in
+    `speculative_model_dir`, run in the engine's process). The keys are TensorRT-LLM's LLM API
+    `speculative_config` names where it has them (max_draft_len, max_matching_ngram_size,
+    speculative_model); ours: min_matching_ngram_size, max_draft_batch_size,
+    draft_kv_cache_free_gpu_mem_fraction."""
     kind = (params.get("speculative_decoding_type") or "").lower()
     if kind and kind not in SPECULATIVE_TYPES:
         raise ConfigError(f"speculative_decoding_type must be one of {', '.join(SPECULATIVE_TYPES)} or "
@@ -198,7 +201,17 @@ def speculative_config(params: dict[str, str]) -> SpeculativeConfig:
         ngram = NgramConfig(max_draft_tokens=max_draft or NgramConfig.max_draft_tokens,
                             max_ngram=get_int(params, "max_matching_ngram_size", NgramConfig.max_ngram),
                             min_ngram=get_int(params, "min_matching_ngram_size", NgramConfig.min_ngram))
+    draft_model = None
+    if kind == "draft_target":
+        model_dir = params.get("speculative_model_dir")
+        if not model_dir:
+            raise ConfigError("speculative_decoding_type is draft_target but speculative_model_dir is not "
+                              "set")
+        fraction = get_float(params, "draft_kv_cache_free_gpu_mem_fraction",
+                             DraftModelConfig.kv_cache_free_gpu_mem_fraction)
+        draft_model = DraftModelConfig(model_dir, max_draft or DraftModelConfig.max_draft_tokens, fraction)
     return SpeculativeConfig(max_draft_tokens=max_draft or SpeculativeConfig.max_draft_tokens, ngram=ngram,
+                             draft_model=draft_model,
                              max_draft_batch_size=get_int(params, "max_draft_batch_size",
                                                           SpeculativeConfig.max_draft_batch_size))
 

@@ -10,7 +10,7 @@ import pytest
 
 from inflight.api.config import ExecutorConfig, ExtendedRuntimePerfKnobConfig, NgramConfig, SpeculativeConfig
 from inflight.engine.llm_engine import LLMEngine
-from inflight.engine.speculation import NgramDrafter
+from inflight.engine.drafters import NgramDrafter
 from tests.model.engine_utils import DEFAULT_KV, gen_request, output_tokens, run
 from tools.checkpoints import save_tiny_checkpoint
 from tools.drafters import KnownContinuation

@@ -221,3 +221,30 @@ def test_bad_draft_logits_are_refused(plain, draft, extra, message):
     with pytest.raises(RequestError, match=None) as info:
         plain.add_request(gen_request(PROMPTS[0], 8, external_draft_tokens_config=draft, **extra))
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_draft_model_in_the_engine(tiny_dir, want, tmp_path, same):
+    """A draft model run by its own engine in the same process: the model itself (every draft
+    right, in fp32) or another random model of the same vocabulary (drafts mostly wrong). The
+    output is the plain run's either way, and both engines' KV caches are idle at the end."""
+    from inflight.api.config import DraftModelConfig
+    from tools.checkpoints import save_tiny_checkpoint
+
+    folder = tiny_dir
+    if not same:
+        folder = tmp_path / "other"
+        save_tiny_checkpoint("llama3", folder, seed=7)
+    config = SpeculativeConfig(draft_model=DraftModelConfig(str(folder), max_draft_tokens=4,
+                                                            max_kv_tokens=4096))
+    engine = make_engine(tiny_dir, speculative_config=config)
+    results = run(engine, [_with_metrics(gen_request(p, 40)) for p in PROMPTS])
+    assert [output_tokens(r) for r in results] == want
+    metrics = [_metrics(r) for r in results]
+    if same:
+        assert all(m.acceptance_rate == 1.0 for m in metrics)
+    assert sum(m.total_draft_tokens for m in metrics) > 0
+    blocks = engine.speculation.drafter.engine.block_manager
+    assert not engine.speculation.drafter.engine.has_unfinished()
+    assert blocks.num_free_blocks == blocks.num_total_blocks  # cached blocks count as free
+    engine.close()

@@ -14,9 +14,10 @@ acceptance means little with random weights, so the drafts are made to be right 
 CPU rows (the real default model and its chat template): a copy-heavy workload (code to
 rewrite with a name changed, a passage to quote) and a free-form one (stories), batch 1 and 8,
 the n-gram drafter (k = 4) against plain, with its acceptance rate.
+Last on the GPU, a random draft model of `--draft-shape` (Llama-3.2-1B) inside the engine, k = 4.
 Decode tok/s counts the tokens after each request's first (prefill) step over the time after
-that step has finished on the device. Targets (issue 27): always right at k = 4 >= 3x plain at batch 1 (8B, H100);
-copy-heavy CPU >= 1.5x at batch 1; never right, and batch 64, >= 0.97x.
+that step has finished on the device. Targets (issue 27): always right at k = 4 >= 3x plain at
+batch 1 (8B, H100); copy-heavy CPU >= 1.5x at batch 1; never right, and batch 64, >= 0.97x.
 Markdown and JSON go to --out (default $OUT or /tmp/bench_speculative).
 """
 
@@ -31,12 +32,18 @@ from pathlib import Path
 
 import torch
 from bench_gpu_cli import log, open_device, start_random_engine
-from bench_gpu_runs import random_prompts, sync
+from bench_gpu_runs import build_hf, free_memory, random_prompts, sync
 
-from inflight.api.config import ExecutorConfig, KvCacheConfig, NgramConfig, SpeculativeConfig
+from inflight.api.config import (
+    DraftModelConfig,
+    ExecutorConfig,
+    KvCacheConfig,
+    NgramConfig,
+    SpeculativeConfig,
+)
 from inflight.api.types import OutputConfig, Request
-from inflight.engine.llm_engine import LLMEngine
 from inflight.engine.drafters import NgramDrafter
+from inflight.engine.llm_engine import LLMEngine
 from tools.drafters import KnownContinuation
 
 COPY_TASKS = [
@@ -154,6 +161,32 @@ def gpu_rows(engine, vocab: int, args) -> list[dict]:
     return rows
 
 
+def draft_model_rows(args, device) -> tuple:
+    """A random draft model of `--draft-shape` inside the engine (its weights written to disk,
+    as a draft model is loaded), k = 4: drafts accepted by force (the upper bound of a draft
+    model this size, its own steps included) and as verified (random weights: ties)."""
+    hf, folder = build_hf(args.draft_shape, device, torch.bfloat16, seed=5)
+    hf.save_pretrained(folder)
+    del hf
+    free_memory(device)
+    spec = SpeculativeConfig(draft_model=DraftModelConfig(str(folder), max_draft_tokens=4))
+    engine, vocab, _ = start_random_engine(args.shape, device, 64, 1024, speculative_config=spec)
+    drafter = engine.speculation.drafter
+    prompts = random_prompts(1, 128, vocab, seed=1)
+    generate(engine, random_prompts(2, 16, vocab, seed=9), 8, None)  # warm-up, both engines
+    generate(engine, random_prompts(2, 16, vocab, seed=9), 8, drafter)
+    plain = generate(engine, prompts, args.decode_len, None)
+    rows = [_row(f"batch 1, plain (with a {args.draft_shape} draft engine loaded)", plain, plain)]
+    verify = engine.speculation.verify
+    engine.speculation.verify = AcceptAll(engine.speculation)
+    rows.append(_row(f"batch 1, {args.draft_shape} draft model, k=4, accepted by force",
+                     generate(engine, prompts, args.decode_len, drafter), plain))
+    engine.speculation.verify = verify
+    rows.append(_row(f"batch 1, {args.draft_shape} draft model, k=4, as verified",
+                     generate(engine, prompts, args.decode_len, drafter), plain))
+    return engine, rows
+
+
 def cpu_rows(engine, tokenizer, args) -> list[dict]:
     def encode(task):
         chat = [{"role": "user", "content": task}]
@@ -210,6 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="llama-3.1-8b", help="GPU: the random checkpoint's shape")
     parser.add_argument("--model", help="CPU: a model folder (the real default model)")
     parser.add_argument("--decode-len", type=int, default=128)
+    parser.add_argument("--draft-shape", default="llama-3.2-1b",
+                        help="GPU: a random draft model of this shape in the engine (empty: none)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_speculative"))
     args = parser.parse_args(argv)
     device = open_device(args.device)
@@ -228,6 +263,12 @@ def main(argv=None) -> int:
     else:
         engine, vocab, _ = start_random_engine(args.shape, device, 64, 1024, speculative_config=spec)
         rows = gpu_rows(engine, vocab, args)
+        engine.close()
+        del engine
+        free_memory(device)
+        if args.draft_shape:
+            engine, rows_2 = draft_model_rows(args, device)
+            rows += rows_2
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         title = f"{args.shape}, random weights, {name}"
     engine.close()

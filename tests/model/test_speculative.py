@@ -248,3 +248,18 @@ def test_a_draft_model_in_the_engine(tiny_dir, want, tmp_path, same):
     assert not engine.speculation.drafter.engine.has_unfinished()
     assert blocks.num_free_blocks == blocks.num_total_blocks  # cached blocks count as free
     engine.close()
+
+
+def test_cancelling_a_request_between_draft_steps_frees_everything(tiny_dir, want):
+    """A request cancelled after a few draft steps ends with one final, cancelled response; the
+    others keep their tokens and the KV accounting is idle afterwards (`run` asserts it)."""
+    from inflight.api.types import FinishReason
+
+    engine = _with_drafter(tiny_dir, KnownContinuation(PROMPTS, want, 500), max_draft_tokens=4)
+    victim = engine.add_request(gen_request(PROMPTS[0], 40, streaming=True))
+    for _ in range(3):
+        engine.step()
+    final = engine.cancel(victim)
+    assert final is not None and final.result.is_final
+    assert final.result.finish_reasons[0] is FinishReason.CANCELLED
+    assert [output_tokens(r) for r in run(engine, [gen_request(p, 40) for p in PROMPTS[1:]])] == want[1:]

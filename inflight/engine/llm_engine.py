@@ -155,7 +155,7 @@ class LLMEngine:
         the scheduler's queues (safe to call from another thread). Raises RequestError."""
         self.speculation.validate(request)
         state = self.intake.prepare(request, request_id, num_queued, self.new_request_id)
-        self.speculation.admit(state)
+        self.speculation.prepare(state)
         return state
 
     def compile_guide(self, request: Request) -> None:
@@ -172,6 +172,7 @@ class LLMEngine:
     def admit(self, state: RequestState, first: bool = False) -> None:
         """Queue a sequence (`first`: at the head of the queue)."""
         self.live.admit(state, first)
+        self.speculation.admit(state)
 
     def cancel(self, request_id: int) -> Response | None:
         """Stop a request (every sequence of it) now; returns its final (cancelled) response,

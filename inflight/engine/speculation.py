@@ -101,26 +101,31 @@ class Speculation:
             if config.return_log_probs or config.num_top_log_probs:
                 raise RequestError("log probs with draft_logits are not supported yet")
 
-    def admit(self, state: RequestState) -> None:
+    def prepare(self, state: RequestState) -> None:
         """A new request's own draft becomes its first step's (cut to what max_tokens can emit:
         a step emits at most the draft and one more token). A request that cannot speculate
-        decodes plainly: its output is the same."""
+        decodes plainly: its output is the same. On the caller's thread: touches only `state`."""
         if not speculates(state):
             return
         draft = state.request.external_draft_tokens_config
         if draft is not None and draft.tokens and state.sequence_index == 0 and state.seq.max_new_tokens > 1:
-            state.seq.add_draft(list(draft.tokens[:state.seq.max_new_tokens - 1]))
-            self._external.add(state)
+            size = min(len(draft.tokens), state.seq.max_new_tokens - 1)
             if draft.logits is not None:
-                logits = torch.as_tensor(np.asarray(draft.logits, dtype=np.float32))
-                logits = logits[:state.seq.num_draft_tokens]
+                logits = torch.as_tensor(np.asarray(draft.logits, dtype=np.float32))[:size]
                 try:
                     state.draft_probs = draft_probs_from_logits(logits)
                 except ValueError as exc:
                     raise RequestError(str(exc)) from None
                 state.draft_threshold = draft.acceptance_threshold
+            state.seq.add_draft(list(draft.tokens[:size]))
         state.speculative = self.drafter is not None or bool(state.seq.num_draft_tokens)
-        self._next_draft_iteration = 0
+
+    def admit(self, state: RequestState) -> None:
+        """The request joins the live ones (the engine's thread): it may draft from now on."""
+        if state.speculative:
+            if state.seq.num_draft_tokens:
+                self._external.add(state)
+            self._next_draft_iteration = 0
 
     def may_draft(self, iteration: int, num_running: int) -> bool:
         """Whether the next step may carry a draft: then it must start from known tokens, and

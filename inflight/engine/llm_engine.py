@@ -46,7 +46,7 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.live_requests import LiveRequests
 from inflight.engine.request_intake import RequestIntake
 from inflight.engine.request_state import PLACEHOLDER_BASE, RequestGroup, RequestState
-from inflight.engine.speculation import Speculation
+from inflight.engine.speculation import Speculation, per_sampled_position
 from inflight.engine.step_update import InFlight, StepUpdate
 from inflight.fatal_errors import as_fatal, breaks_device
 from inflight.lora.cache import LoraCache
@@ -250,14 +250,7 @@ class LLMEngine:
             if keep:
                 extras["generation_logits"] = keep
         if drafts is not None:  # a row verifying k draft tokens samples 1 + k positions
-            rows = _per_position(rows, drafts)
-            for name in ("hooks", "request_ids"):  # parallel to the sampled rows
-                if name in extras:
-                    extras[name] = _per_position(extras[name], drafts)
-            extras.pop("generation_logits", None)
-            positions = _logit_positions(states, drafts)
-            if positions:
-                extras["generation_logits"] = positions
+            rows = per_sampled_position(rows, extras, states, drafts)
         sample = self.worker.launch(StepOrder.from_batch(batch, self.block_manager.block_size, rows, **extras))
         return sample if overlap else sample.result()
 
@@ -348,21 +341,3 @@ class LLMEngine:
     def stats(self, batch: SchedulerOutput | None = None, latency_ms: float = 0.0) -> IterationStats:
         return iteration_stats(self, batch or SchedulerOutput.make_empty(), latency_ms)
 
-
-def _per_position(values: list, drafts: list[int]) -> list:
-    """Per sampled row -> per sampled position (a row verifying k draft tokens has 1 + k)."""
-    return [value for value, k in zip(values, drafts) for _ in range(1 + k)]
-
-
-def _logit_positions(states: list[RequestState], drafts: list[int]) -> list[int]:
-    """The sampled positions whose raw logits the step keeps: a row's last one when its request
-    returns generation logits, every one of a row whose draft came with draft_logits (the
-    rejection rule reads the model's distribution there)."""
-    positions, first = [], 0
-    for state, k in zip(states, drafts):
-        if state.request.output_config.return_generation_logits:
-            positions.append(first + k)
-        elif k and state.draft_probs is not None:
-            positions.extend(range(first, first + k + 1))
-        first += 1 + k
-    return positions

@@ -218,6 +218,31 @@ class Speculation:
         _backoff(state, iteration, accepted > 0)
 
 
+def per_sampled_position(rows: list, extras: dict, states: list[RequestState], drafts: list[int]) -> list:
+    """A step's per-sampled-row lists as per-sampled-position ones (a row verifying k draft tokens
+    has 1 + k): returns the sampling rows and rewrites `extras` (`StepOrder` fields) in place,
+    `generation_logits` becoming the positions whose raw logits the step keeps: a row's last
+    when its request returns generation logits, all of a row whose draft came with draft_logits
+    (the rejection rule reads the model's distribution there)."""
+    def spread(values):
+        return [value for value, k in zip(values, drafts) for _ in range(1 + k)]
+
+    for name in ("hooks", "request_ids"):  # parallel to the sampled rows
+        if name in extras:
+            extras[name] = spread(extras[name])
+    positions, first = [], 0
+    for state, k in zip(states, drafts):
+        if state.request.output_config.return_generation_logits:
+            positions.append(first + k)
+        elif k and state.draft_probs is not None:
+            positions.extend(range(first, first + k + 1))
+        first += 1 + k
+    extras.pop("generation_logits", None)
+    if positions:
+        extras["generation_logits"] = positions
+    return spread(rows)
+
+
 def _backoff(state: RequestState, iteration: int, accepted: bool) -> None:
     """After n misses in a row (drafts of which nothing was accepted, or no draft at all) a
     request skips 2^n - 1 steps: a wasted draft costs its positions' compute, and a step that

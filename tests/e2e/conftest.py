@@ -14,8 +14,10 @@ from tools.local_server import free_ports, running_server
 
 @pytest.fixture(scope="session")
 def server(smollm2_dir, tmp_path_factory):
-    """The default model behind the full ensemble, served by a real tritonserver."""
-    with running_server(smollm2_dir, tmp_path_factory.mktemp("smollm2_server")) as handle:
+    """The default model behind the full ensemble, served by a real tritonserver; the model itself
+    also serves as the BLS model's draft model (`--draft_model`, tests/e2e/test_speculative.py)."""
+    with running_server(smollm2_dir, tmp_path_factory.mktemp("smollm2_server"),
+                        draft_model=smollm2_dir) as handle:
         yield handle
 
 

@@ -1,8 +1,8 @@
-"""Speculative decoding end to end: a real tritonserver whose repository was built with a draft
-model (`--draft_model`, the default model itself, so every draft is right) and the n-gram
-drafter on the target (`--speculative_decoding_type ngram`). The BLS model's draft-target flow
-(`num_draft_tokens`), streamed and not, gives the text of the same request without drafts: the
-default model runs in fp32 on the CPU, greedy, where drafts change no token."""
+"""Speculative decoding end to end: the shared server's repository was built with a draft model
+(`--draft_model`, the default model itself, so every draft is right). The BLS model's
+draft-target flow (`num_draft_tokens`), streamed and not, with and without `use_draft_logits`,
+gives the text of the same request without drafts: the default model runs in fp32 on the CPU,
+greedy, where drafts change no token."""
 
 from __future__ import annotations
 
@@ -10,16 +10,8 @@ import numpy as np
 import pytest
 
 from tests.e2e.test_nvidia_compat import stream_once, text_inputs
-from tools.local_server import running_server
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def draft_server(smollm2_dir, tmp_path_factory):
-    with running_server(smollm2_dir, tmp_path_factory.mktemp("draft_server"), draft_model=smollm2_dir,
-                        speculative_decoding_type="ngram") as handle:
-        yield handle
 
 
 def _bls_text(server, stream: bool, num_draft_tokens: int, use_draft_logits: bool = False) -> str:
@@ -32,9 +24,9 @@ def _bls_text(server, stream: bool, num_draft_tokens: int, use_draft_logits: boo
     return "".join(r.as_numpy("text_output")[0].decode("utf-8") for r in results)
 
 
-def test_draft_target_through_the_bls_model_gives_the_targets_text(draft_server):
-    want = _bls_text(draft_server, False, 0)
+def test_draft_target_through_the_bls_model_gives_the_targets_text(server):
+    want = _bls_text(server, False, 0)
     assert want
-    assert _bls_text(draft_server, False, 4) == want
-    assert _bls_text(draft_server, True, 4) == want
-    assert _bls_text(draft_server, True, 4, use_draft_logits=True) == want  # draft_logits cross the wire
+    assert _bls_text(server, False, 4) == want
+    assert _bls_text(server, True, 4) == want
+    assert _bls_text(server, True, 4, use_draft_logits=True) == want  # draft_logits cross the wire

@@ -124,3 +124,24 @@ def test_tensor_parallel_keys():
             ({"tensor_parallel_size": "2", "device": "cuda:1"}, "chosen by gpu_device_ids")):
         with pytest.raises(ConfigError, match=message):
             params.executor_config(values)
+
+
+def test_speculative_keys():
+    """Drafts sent with requests are always verified (max_draft_len caps them); the engine's own
+    drafter comes with speculative_decoding_type: ngram or draft_target (with its model)."""
+    plain = params.executor_config({}).speculative_config
+    assert (plain.max_draft_tokens, plain.ngram, plain.draft_model) == (16, None, None)
+    ngram = params.executor_config({"speculative_decoding_type": "ngram", "max_draft_len": "6",
+                                    "max_matching_ngram_size": "3", "min_matching_ngram_size": "1",
+                                    "max_draft_batch_size": "8"}).speculative_config
+    assert (ngram.max_draft_tokens, ngram.max_draft_batch_size) == (6, 8)
+    assert (ngram.ngram.max_draft_tokens, ngram.ngram.max_ngram, ngram.ngram.min_ngram) == (6, 3, 1)
+    draft = params.executor_config({"speculative_decoding_type": "draft_target",
+                                    "speculative_model_dir": "/m",
+                                    "draft_kv_cache_free_gpu_mem_fraction": "0.2"}).speculative_config
+    assert (draft.draft_model.model_dir, draft.draft_model.max_draft_tokens,
+            draft.draft_model.kv_cache_free_gpu_mem_fraction) == ("/m", 4, 0.2)
+    with pytest.raises(ConfigError, match="speculative_decoding_type must be one of ngram, draft_target"):
+        params.executor_config({"speculative_decoding_type": "medusa"})
+    with pytest.raises(ConfigError, match="speculative_model_dir is not set"):
+        params.executor_config({"speculative_decoding_type": "draft_target"})

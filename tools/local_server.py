@@ -72,14 +72,17 @@ class Server:
 
     # ----- metrics -------------------------------------------------------------------------
 
-    def metrics(self) -> dict[tuple[str, str], float]:
-        """{(family, category label value): value} for the nv_trt_llm_* gauges."""
+    def metrics(self, model: str = "tensorrt_llm") -> dict[tuple[str, str], float]:
+        """{(family, category label value): value} for `model`'s nv_trt_llm_* gauges (a
+        repository with a draft model has a second engine model)."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics").read().decode()
         values = {}
         for line in text.splitlines():
             match = re.match(r'(nv_trt_llm_\w+)\{([^}]*)\} (\S+)', line)
             if match:
                 labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+                if labels.get("model", model) != model:
+                    continue
                 category = [v for k, v in labels.items() if k not in ("model", "version")][0]
                 values[(match.group(1), category)] = float(match.group(3))
         return values

@@ -36,7 +36,7 @@ class StepPlan:
     # Each row's LoRA adapter (its cache key; 0: the base model); None when no row has one.
     lora_keys: list[int] | None = None
     # Draft tokens each row verifies: a sampled row then samples its last 1 + k positions
-    # (speculative decoding; one rank only, not in the wire format). None when no row has one.
+    # (speculative decoding). None when no row has one.
     num_drafts: list[int] | None = None
 
     @classmethod
@@ -65,18 +65,20 @@ class StepPlan:
         return all(len(t) == 1 for t in self.tokens) and all(self.sampled)
 
     # ----- wire format: int64 [4 + 4 B + T + K (+ B)] ----------------------------------------
-    # header (B, T, K, block_size), starts [B], num_new [B], sampled [B], table lengths [B],
-    # tokens [T], block tables [K], then each row's LoRA key when any row has one
+    # header (B, T, K, block_size), starts [B], num_new [B], sampled [B] (0: not sampled, else
+    # 1 + the row's draft tokens), table lengths [B], tokens [T], block tables [K], then each
+    # row's LoRA key when any row has one
 
     def pack(self) -> torch.Tensor:
+        sampled = [int(s) for s in self.sampled]
         if self.num_drafts:
-            raise ValueError("a step that verifies drafts runs on one rank only")
+            sampled = [s + k if s else 0 for s, k in zip(sampled, self.num_drafts)]
         num_new = [len(t) for t in self.tokens]
         table_lens = [cdiv(s + n, self.block_size) for s, n in zip(self.starts, num_new)]
         b, t, k = self.num_rows, sum(num_new), sum(table_lens)
         out = np.empty(4 + 4 * b + t + k + (b if self.lora_keys else 0), dtype=np.int64)
         out[:4] = (b, t, k, self.block_size)
-        out[4:4 + 4 * b] = np.array([self.starts, num_new, self.sampled, table_lens],
+        out[4:4 + 4 * b] = np.array([self.starts, num_new, sampled, table_lens],
                                     dtype=np.int64).reshape(-1)
         pos = 4 + 4 * b
         out[pos:pos + t] = [tok for row in self.tokens for tok in row]
@@ -101,4 +103,5 @@ class StepPlan:
             tokens.append(flat_tokens[i:i + n])
             tables.append(flat_tables[j:j + m])
             i, j = i + n, j + m
-        return cls(starts, tokens, [bool(s) for s in sampled], tables, block_size, lora_keys)
+        num_drafts = [max(s - 1, 0) for s in sampled] if any(s > 1 for s in sampled) else None
+        return cls(starts, tokens, [bool(s) for s in sampled], tables, block_size, lora_keys, num_drafts)

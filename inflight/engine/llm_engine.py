@@ -88,9 +88,7 @@ class LLMEngine:
         self.last_stats = IterationStats()
         self._in_flight: InFlight | None = None
         self.intake = RequestIntake(config, worker, self.scheduler, self.loras)
-        self.speculation = Speculation(config, self.model_config.vocab_size,
-                                       getattr(getattr(worker, "tp", None), "is_parallel", False),
-                                       type(self).from_dir)
+        self.speculation = Speculation(config, self.model_config.vocab_size, type(self).from_dir)
         self.updater = StepUpdate(self.live, self.block_manager, worker, self.model_config.vocab_size,
                                   self.speculation)
         if peft is not None and peft.lora_prefetch_dir:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ensemble.errors import ConfigError
 from inflight.api.config import ExecutorConfig
 from inflight.api.types import FinishReason, Request, RequestError
 from inflight.engine.drafters import Drafter, start_drafter
@@ -53,15 +52,10 @@ class Speculation:
     engine's own (`inflight.engine.drafters`: SpeculativeConfig.ngram or .draft_model; None: only
     drafts sent with requests)."""
 
-    def __init__(self, executor_config: ExecutorConfig, vocab_size: int, tensor_parallel: bool,
-                 start_engine=None) -> None:
+    def __init__(self, executor_config: ExecutorConfig, vocab_size: int, start_engine=None) -> None:
         """`start_engine(model_dir, config)`: how a draft model's engine starts (`LLMEngine.from_dir`)."""
         config = self.config = executor_config.speculative_config
         self.vocab_size = vocab_size
-        self.tensor_parallel = tensor_parallel
-        if (config.ngram is not None or config.draft_model is not None) and tensor_parallel:
-            raise ConfigError("the engine's own drafter (ngram, draft_model) is not supported with "
-                              "tensor_parallel_size > 1 yet")
         self.drafter: Drafter | None = start_drafter(config, executor_config, start_engine)
         check = getattr(self.drafter, "check_vocabulary", None)
         if check is not None:
@@ -80,8 +74,6 @@ class Speculation:
         draft = request.external_draft_tokens_config
         if draft is None:
             return
-        if self.tensor_parallel and draft.tokens:
-            raise RequestError("draft_input_ids are not supported with tensor_parallel_size > 1 yet")
         limit = self.config.max_draft_tokens
         if len(draft.tokens) > limit:
             raise RequestError(f"Number of draft tokens ({len(draft.tokens)}) is larger than maximum number "

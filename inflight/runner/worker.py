@@ -234,7 +234,7 @@ class Worker:
                 raise EngineFatalError(f"a tensor-parallel rank is gone: {exc}") from exc
         logits, prompt = self.run_model(step)
         if step.sampling_rows is None:
-            self._share_sampled_ids(step.num_sampled)
+            self._share_sampled_ids(0 if step.verifies_drafts else step.num_sampled)
             return None
         return self.sample(logits, step, prompt)
 
@@ -316,7 +316,7 @@ class Worker:
             if self.overlap and not step.verifies_drafts:
                 self.sampled_ids[:step.num_sampled].copy_(sample.token_ids.clamp_min(0))
         finally:  # the other ranks wait for this broadcast even when sampling failed
-            self._share_sampled_ids(step.num_sampled)
+            self._share_sampled_ids(0 if step.verifies_drafts else step.num_sampled)
         sample.generation_logits, sample.context_logits = kept, prompt_logits
         sample.prompt_log_probs = prompt_log_probs
         return sample.start_copy()

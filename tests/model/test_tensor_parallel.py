@@ -209,6 +209,10 @@ def test_step_plan_round_trip():
     longer = StepPlan(plan.starts, plan.tokens, plan.sampled, [[3, 9], [1, 4, 8, 2, 6, 11, 5], [0, 1]], 8)
     assert StepPlan.unpack(longer.pack()) == plan
     assert StepPlan.unpack(StepPlan([], [], [], [], 8).pack()).num_rows == 0
+    # A row verifying draft tokens: its count rides in the sampled column (1 + k).
+    drafts = StepPlan([0, 40], [[5, 6, 7], [4, 9, 9]], [True, True], [[3], [1, 4, 8, 2, 6, 11]], 8,
+                      num_drafts=[0, 2])
+    assert StepPlan.unpack(drafts.pack()) == drafts
 
 
 @pytest.mark.timeout(240)
@@ -246,5 +250,31 @@ def test_tp2_with_lora_adapters_matches_tp1(checkpoint, monkeypatch):
     try:
         assert generate(engine, True) == want
         assert generate(engine, False) == want
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(240)
+def test_tp2_verifies_drafts_as_tp1(checkpoint, monkeypatch):
+    """Speculative decoding at tp=2: the step plan carries each row's draft count, so the other
+    rank computes the same positions' logits (the vocabulary-parallel LM head gathers them). A
+    request's own draft (the tp=1 run's tokens, always right) and the n-gram drafter give tp=1's
+    greedy tokens, and the accepted counts match."""
+    from inflight.api.config import NgramConfig, SpeculativeConfig
+    from inflight.api.types import ExternalDraftTokensConfig
+
+    monkeypatch.setenv("INFLIGHT_TP_TIMEOUT_S", "60")
+    spec = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=3, min_ngram=1))
+    want = [output_tokens(r) for r in run(_engine(checkpoint, 1), [gen_request(p, n)
+                                                                   for p, n in zip(PROMPTS, MAX_TOKENS)])]
+    engine = _engine(checkpoint, 2, speculative_config=spec)
+    try:
+        requests = [gen_request(p, n, external_draft_tokens_config=ExternalDraftTokensConfig(w[:4]))
+                    for p, n, w in zip(PROMPTS, MAX_TOKENS, want)]
+        for request in requests:
+            request.output_config.return_perf_metrics = True
+        results = run(engine, requests)
+        assert [output_tokens(r) for r in results] == want
+        assert all(r[-1].result.request_perf_metrics.total_accepted_draft_tokens >= 4 for r in results)
     finally:
         engine.close()

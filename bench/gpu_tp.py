@@ -4,6 +4,7 @@
     python3 bench/gpu_tp.py            # every GPU this machine has (2: tp=1 and tp=2)
     python3 bench/gpu_tp.py --check    # the greedy check alone (~1-2 min)
     python3 bench/gpu_tp.py --check --lora  # ... with two LoRA adapters and the base model mixed
+    python3 bench/gpu_tp.py --check --drafts  # ... with tp=N verifying drafts (speculative decoding)
     bash checks/gpu_check.sh tp         # the same, with its log and summary under $OUT
     python3 bench/gpu_tp.py --cpu-dry-run   # every code path on the CPU (gloo, tiny shapes)
     kill -USR1 <pid of any rank>            # its Python stacks into the log, it carries on
@@ -48,11 +49,12 @@ import torch
 from bench_gpu_runs import SHAPES, random_prompts, run_engine
 
 from ensemble.errors import ConfigError
-from inflight.api.config import (ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig, ParallelConfig,
-                                 PeftCacheConfig)
+from inflight.api.config import (ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig, NgramConfig,
+                                 ParallelConfig, PeftCacheConfig, SpeculativeConfig)
 from inflight.api.types import LoraConfig
 from inflight.engine.llm_engine import LLMEngine
 from tools.checkpoints import random_lora_adapter
+from tools.drafters import KnownContinuation
 
 CHECK_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=64, vocab_size=32001, tie_word_embeddings=False,
@@ -152,9 +154,10 @@ def write_checkpoint(spec: dict, dtype: torch.dtype, std: float, folder: Path, s
 
 
 def engine(folder: Path, tp: int, dtype: str, max_batch_size: int, max_seq_len: int,
-           graphs: bool | None = None, peft: PeftCacheConfig | None = None) -> LLMEngine:
+           graphs: bool | None = None, peft: PeftCacheConfig | None = None,
+           spec: SpeculativeConfig | None = None) -> LLMEngine:
     config = ExecutorConfig(
-        peft_cache_config=peft,
+        peft_cache_config=peft, speculative_config=spec or SpeculativeConfig(),
         device=DEVICE if DEVICE == "cpu" else "auto", dtype=dtype, max_batch_size=max_batch_size,
         max_num_tokens=8192, max_seq_len=max_seq_len,
         enable_chunked_context=True, kv_cache_config=KvCacheConfig(
@@ -180,20 +183,27 @@ def close(eng: LLMEngine, tp_size: int) -> None:
         log(f"  tp={tp_size}: ranks stopped in {time.perf_counter() - start:.1f} s")
 
 
-def check(num_gpus: int, tp: int, out: dict, graph_modes=(None, False), lora: bool = False) -> bool:
+def check(num_gpus: int, tp: int, out: dict, graph_modes=(None, False), lora: bool = False,
+          drafts: bool = False) -> bool:
     """`lora`: two random adapters (ranks 4 and 8; all seven projections, and q/v/down only)
-    and the base model mixed in the batch, on every engine."""
+    and the base model mixed in the batch, on every engine. `drafts`: the tp=N engines verify
+    drafts of 4 tokens taken from tp=1's output (speculative decoding: several positions per row)."""
     log(f"\n== check: greedy tokens, tp=1 vs tp={tp} (fp32, random Llama, vocab {CHECK_SHAPE['vocab_size']})"
-        + (", two LoRA adapters and the base model in each batch" if lora else ""))
+        + (", two LoRA adapters and the base model in each batch" if lora else "")
+        + (", drafts verified at tp > 1" if drafts else ""))
     folder = write_checkpoint(CHECK_SHAPE, torch.float32, 0.1, Path(tempfile.mkdtemp(prefix="tp-check-")))
     prompts = random_prompts(8, [5, 17, 33, 64, 100, 7, 250, 12], CHECK_SHAPE["vocab_size"], seed=3)
     deadline = time.perf_counter() + 300
     tasks = [1, None, 2, 1, 2, None, 1, 2] if lora else [None] * len(prompts)
     peft = PeftCacheConfig(max_loras=2, max_adapter_size=8) if lora else None
 
-    def generate(tp_size: int, graphs: bool | None) -> list[list[int]]:
+    def generate(tp_size: int, graphs: bool | None, known: list[list[int]] | None = None) -> list[list[int]]:
         start = time.perf_counter()
-        eng = engine(folder, tp_size, "float32", 8, 512, graphs, peft)
+        spec = SpeculativeConfig(ngram=NgramConfig(max_draft_tokens=4)) if known else None
+        eng = engine(folder, tp_size, "float32", 8, 512, graphs, peft, spec)
+        if known:
+            eng.speculation.drafter = KnownContinuation(prompts, known, CHECK_SHAPE["vocab_size"],
+                                                        max_draft_tokens=4)
         log(f"  tp={tp_size} cuda_graph_mode={graphs}: engine built in {time.perf_counter() - start:.1f} s")
         if lora:
             eng.loras.put(1, random_lora_adapter(eng.model_config, 4, 5))
@@ -222,7 +232,7 @@ def check(num_gpus: int, tp: int, out: dict, graph_modes=(None, False), lora: bo
         return results["refused_without_gpus"]
     ok = True
     for graphs in graph_modes:
-        got = generate(tp, graphs)
+        got = generate(tp, graphs, want if drafts else None)
         same = sum(g == w for g, w in zip(got, want))
         results[f"tp{tp}_graphs_{graphs}"] = f"{same}/{len(want)} sequences equal"
         log(f"  tp={tp} cuda_graph_mode={graphs}: {same}/{len(want)} sequences equal to tp=1")
@@ -273,6 +283,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel size compared with tp=1")
     parser.add_argument("--check", action="store_true", help="the greedy check alone")
     parser.add_argument("--bench", action="store_true", help="the benchmark alone")
+    parser.add_argument("--drafts", action="store_true",
+                        help="the check with tp=N verifying drafts (speculative decoding)")
     parser.add_argument("--lora", action="store_true",
                         help="the check with two LoRA adapters and the base model in each batch")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp"))
@@ -306,7 +318,7 @@ def main() -> int:
     try:
         if not args.bench:
             modes = {"auto": (None,), "off": (False,), "both": (None, False)}[args.check_graphs]
-            ok = check(num_gpus, args.tp, out, modes, args.lora)
+            ok = check(num_gpus, args.tp, out, modes, args.lora, args.drafts)
         if not args.check:
             bench(num_gpus, args.tp, out)
     finally:

@@ -37,7 +37,9 @@ from inflight.sampling.speculative import (
     verify_with_draft_probs,
 )
 
-MAX_BACKOFF_EXPONENT = 4  # at most 15 steps without a draft after a run of misses
+# At most 2^4 - 1 = 15 steps without a draft after a run of misses; a drafter that costs steps of
+# its own (a draft model) sets its own bound (`max_backoff_exponent`).
+MAX_BACKOFF_EXPONENT = 4
 
 
 def speculates(state: RequestState) -> bool:
@@ -157,7 +159,7 @@ class Speculation:
                 state.seq.add_draft(draft)
                 drafted = True
             else:  # nothing to draft from: a miss too (the steps between overlap host and GPU)
-                _backoff(state, iteration, accepted=False)
+                self._backoff(state, iteration, accepted=False)
                 next_iteration = min(next_iteration or state.next_draft_iteration, state.next_draft_iteration)
         self._next_draft_iteration = iteration + 1 if drafted or next_iteration is None else next_iteration
 
@@ -207,7 +209,17 @@ class Speculation:
         seq.num_computed_tokens -= num_draft - accepted
         state.outputs.num_draft_tokens += num_draft
         state.outputs.num_accepted_draft_tokens += accepted
-        _backoff(state, iteration, accepted > 0)
+        self._backoff(state, iteration, accepted > 0)
+
+    def _backoff(self, state: RequestState, iteration: int, accepted: bool) -> None:
+        """After n misses in a row (drafts of which nothing was accepted, or no draft at all) a
+        request skips 2^n - 1 steps: a wasted draft costs its positions' compute (and a draft
+        model's own steps), and a step that may draft cannot overlap the host's work with the
+        GPU's (looking every step while nothing matched cost 3-4 % of batch-1 decode on an
+        H100). An accepted draft resets the count."""
+        bound = getattr(self.drafter, "max_backoff_exponent", MAX_BACKOFF_EXPONENT)
+        state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, bound)
+        state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)
 
 
 def per_sampled_position(rows: list, extras: dict, states: list[RequestState], drafts: list[int]) -> list:
@@ -234,11 +246,3 @@ def per_sampled_position(rows: list, extras: dict, states: list[RequestState], d
         extras["generation_logits"] = positions
     return spread(rows)
 
-
-def _backoff(state: RequestState, iteration: int, accepted: bool) -> None:
-    """After n misses in a row (drafts of which nothing was accepted, or no draft at all) a
-    request skips 2^n - 1 steps: a wasted draft costs its positions' compute, and a step that
-    may draft cannot overlap the host's work with the GPU's (looking every step while nothing
-    matched cost 3-4 % of batch-1 decode on an H100). An accepted draft resets the count."""
-    state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, MAX_BACKOFF_EXPONENT)
-    state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)

@@ -55,10 +55,13 @@ def start_random_engine(shape: str, device: torch.device, max_batch_size: int, m
     return engine, vocab, time.perf_counter() - start
 
 
-def write_results(out: str, name: str, results: dict) -> Path:
-    """`results` as indented JSON in `out`/`name` (the folder made if need be)."""
+def write_results(out: str, name: str, results, markdown: str | None = None) -> Path:
+    """`results` as indented JSON in `out`/`name` (the folder made if need be), and `markdown`
+    (a report) next to it with the suffix .md."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     path.write_text(json.dumps(results, indent=1))
+    if markdown is not None:
+        path.with_suffix(".md").write_text(markdown + "\n")
     return path

@@ -22,13 +22,11 @@ Markdown tables and JSON go to --out (default $OUT or /tmp/bench_lora).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
-from bench_gpu_cli import log, open_device, start_random_engine
+from bench_gpu_cli import log, open_device, start_random_engine, write_results
 from bench_gpu_runs import free_memory, random_prompts, run_engine
 
 from inflight.api.config import PeftCacheConfig
@@ -113,10 +111,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = report(rows, name, args)
     log(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_lora.md").write_text(text + "\n")
-    (out / "bench_lora.json").write_text(json.dumps(rows, indent=1))
+    write_results(args.out, "bench_lora.json", rows, text)
     return 0
 
 

@@ -24,14 +24,13 @@ Markdown and JSON go to --out (default $OUT or /tmp/bench_speculative).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from bench_gpu_cli import log, open_device, start_random_engine
+from bench_gpu_cli import log, open_device, start_random_engine, write_results
 from bench_gpu_runs import build_hf, free_memory, random_prompts, sync
 
 from inflight.api.config import (
@@ -263,10 +262,10 @@ def main(argv=None) -> int:
     else:
         engine, vocab, _ = start_random_engine(args.shape, device, 64, 1024, speculative_config=spec)
         rows = gpu_rows(engine, vocab, args)
-        engine.close()
-        del engine
-        free_memory(device)
         if args.draft_shape:
+            engine.close()
+            del engine
+            free_memory(device)
             engine, rows_2 = draft_model_rows(args, device)
             rows += rows_2
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -274,10 +273,7 @@ def main(argv=None) -> int:
     engine.close()
     text = report(rows, title)
     log(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_speculative.md").write_text(text + "\n")
-    (out / "bench_speculative.json").write_text(json.dumps(rows, indent=1))
+    write_results(args.out, "bench_speculative.json", rows, text)
     return 0
 
 

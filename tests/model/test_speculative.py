@@ -187,6 +187,8 @@ def test_draft_logits_of_the_targets_own_distribution_are_all_accepted(plain):
     """A sampled request whose draft is its own earlier sampled output, with draft_logits giving
     the distribution each token was drawn from (the model's, at the same temperature and top-k):
     p / q = 1 at every draft position (up to float noise), so the rejection rule accepts all of it.
+    (It keeps x iff p(x) > u q(x) with u in [0, 1) from the request's seeded generator: float noise
+    of 1e-6 in p / q could reject only a u above 1 - 1e-6, a 1e-6 chance per position.)
     A greedy request with arbitrary draft_logits compares tokens and keeps its greedy output."""
     from ensemble.sampling_distribution import as_logits, sampling_distribution
 

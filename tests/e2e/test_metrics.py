@@ -14,9 +14,10 @@ pytestmark = pytest.mark.e2e
 
 
 def _histogram_counts(server) -> dict[str, float]:
+    """tensorrt_llm's token-length histogram counts (the repository's draft model has its own)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^(nv_llm_(?:input|output)_token_len)_count\{[^}]*\} (\S+)", text, re.M)}
+    pattern = r'^(nv_llm_(?:input|output)_token_len)_count\{[^}]*model="tensorrt_llm"[^}]*\} (\S+)'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 
 def test_concurrent_streams_share_steps_and_metrics_follow_the_load(server, smollm2_dir):

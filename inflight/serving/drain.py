@@ -79,9 +79,12 @@ def dependent_ensembles(model_dir: str | Path, model_name: str) -> list[str]:
     return names
 
 
-def unload_dependent_ensembles(model_dir, model_name: str, unload, log_warn) -> None:
-    """Unload (`unload(name)`, i.e. `pb_utils.unload_model`) each of `dependent_ensembles`."""
-    for name in dependent_ensembles(model_dir, model_name):
+def unload_ensembles(names: list[str], unload, log_warn) -> None:
+    """Unload (`unload(name)`, i.e. `pb_utils.unload_model`) each of `names` (the model's
+    `dependent_ensembles`, found when it loaded: parsing the repository's configs takes about a
+    second on a 2-core machine, and a drain with nothing in flight is answered at once, so the
+    launcher's SIGTERM could come first; the stub then crashed in its unload call, 2 stops of 6)."""
+    for name in names:
         try:
             unload(name)
         except Exception as exc:

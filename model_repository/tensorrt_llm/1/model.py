@@ -89,6 +89,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(exc)) from None
         self.model_name = args["model_name"]
         self.model_dir = args["model_repository"]
+        self.ensembles = drain.dependent_ensembles(self.model_dir, self.model_name)  # a drain unloads them
         self.is_unloading = False
         self.auth = control.ControlAuth.from_env()
         self.metrics = metrics.TritonMetrics(pb_utils, args["model_name"], args["model_version"],
@@ -198,9 +199,8 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"{self.model_name}: draining for shutdown; {num_pending} requests "
                                  f"in flight get {grace_s:g} s to finish")
         # New ensemble requests then fail at once, and readiness turns false.
-        threading.Thread(target=drain.unload_dependent_ensembles, daemon=True,
-                         args=(self.model_dir, self.model_name, pb_utils.unload_model,
-                               pb_utils.Logger.log_warn)).start()
+        threading.Thread(target=drain.unload_ensembles, daemon=True,
+                         args=(self.ensembles, pb_utils.unload_model, pb_utils.Logger.log_warn)).start()
 
     def _housekeep(self):
         report = self.timings.report()

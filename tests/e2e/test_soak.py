@@ -1,4 +1,4 @@
-"""A 30-second soak with perf_analyzer at concurrency 32 (the 10-minute one: checks/soak.py)."""
+"""A 20-second soak with perf_analyzer at concurrency 32 (the 10-minute one: checks/soak.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_short_soak(server):
-    report = soak_run.run_soak(server.grpc_url, f"127.0.0.1:{server.metrics_port}", duration_s=30,
+    report = soak_run.run_soak(server.grpc_url, f"127.0.0.1:{server.metrics_port}", duration_s=20,
                                concurrency=32, warmup_s=10, server_session=server.pid)
     print("\n".join(report.lines()))
     assert report.requests > 0

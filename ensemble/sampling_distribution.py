@@ -13,8 +13,10 @@ def sampling_distribution(logits: np.ndarray, temperature: float, top_k: int = 0
     inside top-k (0: off) and top-p (1: off; the smallest set of likeliest tokens whose mass
     reaches top_p), the others 0. A temperature of 0 (greedy) puts all mass on the argmax."""
     logits = np.asarray(logits, dtype=np.float64)
-    if temperature <= 0.0:
-        return np.eye(logits.shape[-1], dtype=np.float32)[logits.argmax(-1)]
+    if temperature <= 0.0:  # one-hot rows (not np.eye: that is V x V, 65 GB at 128k tokens)
+        probs = np.zeros(logits.shape, dtype=np.float32)
+        np.put_along_axis(probs, logits.argmax(-1)[:, None], 1.0, -1)
+        return probs
     scaled = logits / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = np.sort(scaled, axis=-1)[:, -top_k][:, None]

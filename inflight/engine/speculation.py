@@ -18,7 +18,8 @@ block holding a draft is never registered in the prefix cache (`BlockManager.com
 Only requests whose token at a position depends on that position's logits alone speculate:
 no penalties, multi-token bad words, guided decoding, logits processors, beams or generation
 logits (those read the token history, which differs per position). While `min_tokens` still
-bans `end_id` a row decodes plainly. Steps with drafts run synchronously and eagerly.
+bans `end_id` a row decodes plainly. Steps with drafts run synchronously (and replay the
+mixed-step CUDA graphs when their sampled positions fit them).
 """
 
 from __future__ import annotations
@@ -167,11 +168,9 @@ class Speculation:
         """The target's tokens at the row's 1 + k positions against its pending draft: the
         draft leaves the sequence, its computed count is cut to the accepted part, and the
         number of accepted draft tokens a is returned (the request emits tokens[:a + 1])."""
-        seq = state.seq
-        num_draft = seq.num_draft_tokens
-        end = len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)  # past a placeholder
-        accepted = accepted_greedy(seq.token_ids[end - num_draft:end], tokens)
-        self._settle(state, num_draft, accepted, end, iteration)
+        draft = _pending_draft(state.seq)
+        accepted = accepted_greedy(draft, tokens)
+        self._settle(state, len(draft), accepted, iteration)
         return accepted
 
     def verify_with_probs(self, state: RequestState, logits: torch.Tensor, iteration: int) -> list[int]:
@@ -179,16 +178,14 @@ class Speculation:
         sampling distribution at the row's 1 + k positions (`logits` [1 + k, vocab], raw) and the
         drafter's (`inflight.sampling.speculative`); returns the tokens the request emits. Greedy
         rows compare tokens (the rule reduces to that when the model's distribution is one-hot)."""
-        seq, row = state.seq, state.sampling_row
-        num_draft = seq.num_draft_tokens
-        end = len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)
-        draft = seq.token_ids[end - num_draft:end]
-        probs = target_probs(logits, row.temperature, row.top_k, row.top_p)
+        row = state.sampling_row
+        draft = _pending_draft(state.seq)
         if row.is_greedy:
-            emitted = probs.argmax(-1).tolist()
+            emitted = logits.float().argmax(-1).tolist()
             accepted = accepted_greedy(draft, emitted)
             emitted = emitted[:accepted + 1]
         else:
+            probs = target_probs(logits, row.temperature, row.top_k, row.top_p)
             if state.draft_generator is None:
                 seed = state.request.sampling_config.seed
                 state.draft_generator = torch.Generator()
@@ -197,13 +194,14 @@ class Speculation:
                                               state.draft_threshold)
             accepted, emitted = verdict.num_accepted, verdict.tokens
         state.draft_probs = None  # a request's own draft is for its first step only
-        self._settle(state, num_draft, accepted, end, iteration)
+        self._settle(state, len(draft), accepted, iteration)
         return emitted
 
-    def _settle(self, state: RequestState, num_draft: int, accepted: int, end: int, iteration: int) -> None:
+    def _settle(self, state: RequestState, num_draft: int, accepted: int, iteration: int) -> None:
         """The draft leaves the sequence, the computed count is cut to the accepted part, the
         counts and the back-off move on."""
         seq = state.seq
+        end = _draft_end(seq)
         del seq.token_ids[end - num_draft:end]
         seq.num_draft_tokens = 0
         seq.num_computed_tokens -= num_draft - accepted
@@ -220,6 +218,16 @@ class Speculation:
         bound = getattr(self.drafter, "max_backoff_exponent", MAX_BACKOFF_EXPONENT)
         state.num_missed_drafts = 0 if accepted else min(state.num_missed_drafts + 1, bound)
         state.next_draft_iteration = iteration + (1 << state.num_missed_drafts)
+
+
+def _draft_end(seq) -> int:
+    """Where the pending draft ends in `seq.token_ids`: before the step's placeholder, if any."""
+    return len(seq.token_ids) - (1 if seq.token_ids[-1] < 0 else 0)
+
+
+def _pending_draft(seq) -> list[int]:
+    end = _draft_end(seq)
+    return seq.token_ids[end - seq.num_draft_tokens:end]
 
 
 def per_sampled_position(rows: list, extras: dict, states: list[RequestState], drafts: list[int]) -> list:

@@ -60,7 +60,8 @@ def _sampling(row: Tensors) -> tuple[float, int, float]:
 
 @dataclass
 class DraftTarget:
-    """`models` is a `bls.pipeline.Models`; `decode(tokens) -> str` detokenizes a row's tokens."""
+    """The rounds over `models` (a `bls.pipeline.Models`): `target` and `draft` are the two
+    engine models' names."""
 
     models: object
     target: str

@@ -132,11 +132,15 @@ def main() -> int:
     pre_ptrs = [n for n in pre.arg_names if n.endswith("_ptr")]
     for dt, torch_dt, d, g in (("bf16", torch.bfloat16, 128, 4), ("bf16", torch.bfloat16, 64, 3),
                                ("fp16", torch.float16, 128, 8), ("fp32", torch.float32, 128, 4)):
-        bm, bn, w, s = prefill_attention.default_tiles(torch_dt, d)
-        consts = dict(GROUP=g, HEAD_DIM=d, BLOCK_SIZE=32, BLOCK_M=bm, BLOCK_N=bn,
-                      PRECISION="ieee" if dt == "fp32" else "tf32", KV_FP8=False)
-        ok &= compile_one(f"prefill {dt} D={d} G={g} {bm}x{bn} w{w} s{s}", pre,
-                          attention_pointers(dt, pre_ptrs), consts, w, s)
+        for fp8 in (False, True) if (dt, d) == ("bf16", 128) else (False,):
+            bm, bn, w, s = prefill_attention.default_tiles(torch_dt, d, narrow=fp8)
+            consts = dict(GROUP=g, HEAD_DIM=d, BLOCK_SIZE=32, BLOCK_M=bm, BLOCK_N=bn,
+                          PRECISION="ieee" if dt == "fp32" else "tf32", KV_FP8=fp8)
+            pointers = attention_pointers(dt, pre_ptrs)
+            if fp8:
+                pointers.update(k_ptr="u8", v_ptr="u8")
+            ok &= compile_one(f"prefill {dt}{' e4m3 KV' if fp8 else ''} D={d} G={g} {bm}x{bn} w{w} s{s}",
+                              pre, pointers, consts, w, s)
     ok &= compile_one("store_kv_cache bf16", kv_cache._store_kv_kernel,
                       {"k_ptr": "bf16", "v_ptr": "bf16", "cache_ptr": "bf16", "slot_ptr": "i64"},
                       dict(BLOCK_SIZE=32, HEADS_PAD=8, DIM_PAD=128, FP8=False), 4, 1)

@@ -20,6 +20,7 @@ Capacity policies (TensorRT-LLM's names):
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from inflight.api.config import CapacitySchedulerPolicy
@@ -39,7 +40,13 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 policy: CapacitySchedulerPolicy, enable_chunked_context: bool, max_loras: int | None = None):
+                 policy: CapacitySchedulerPolicy, enable_chunked_context: bool, max_loras: int | None = None,
+                 attention_pairs_per_token: float | None = None):
+        """`attention_pairs_per_token`: how many (query, key) pairs of attention cost as much as
+        one token's linear layers (`chunk_cost_ratio`); given, a prompt chunk that shares a step
+        with generating rows is cut so that its linear work plus its attention over the context
+        fits the token budget (`_chunk_limit`), and a long prompt's late chunks hold the streams
+        no longer than its first. None: chunks are cut by tokens alone (TensorRT-LLM's rule)."""
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_num_tokens <= 0:
@@ -50,6 +57,9 @@ class Scheduler:
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
         self.max_loras = max_loras
+        if attention_pairs_per_token is not None and attention_pairs_per_token <= 0:
+            raise ValueError(f"attention_pairs_per_token must be > 0, got {attention_pairs_per_token}")
+        self.attention_pairs_per_token = attention_pairs_per_token
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Cumulative over the scheduler's life, for stats.
@@ -175,8 +185,20 @@ class Scheduler:
             self.block_manager.free(beam)
             beam.status = SequenceStatus.FINISHED
 
-    def _num_new_tokens(self, seq: Sequence, num_budget_tokens: int) -> int:
-        """Tokens `seq` computes this step within the budget; 0 means it waits."""
+    def _chunk_limit(self, num_context_tokens: int, num_budget_tokens: int) -> int:
+        """The most tokens n of a prompt chunk after `num_context_tokens` computed tokens whose
+        cost fits `num_budget_tokens` token equivalents: n for the linear layers plus the
+        chunk's n (c + (n + 1) / 2) attention pairs over K pairs a token. At least 1."""
+        k = self.attention_pairs_per_token
+        a, b = 1.0 / (2.0 * k), 1.0 + (num_context_tokens + 0.5) / k
+        n = (-b + math.sqrt(b * b + 4.0 * a * num_budget_tokens)) / (2.0 * a)
+        return max(1, min(num_budget_tokens, int(n)))
+
+    def _num_new_tokens(self, seq: Sequence, num_budget_tokens: int, beside_decodes: bool = False) -> int:
+        """Tokens `seq` computes this step within the budget; 0 means it waits.
+        `beside_decodes`: the step already carries generating rows (see `_chunk_limit`)."""
+        if beside_decodes and self.attention_pairs_per_token is not None and self.enable_chunked_context:
+            num_budget_tokens = self._chunk_limit(seq.num_computed_tokens, num_budget_tokens)
         num_uncomputed = seq.num_uncomputed_tokens
         if seq.num_draft_tokens and num_uncomputed > num_budget_tokens:
             # A draft is verified in one step with the last verified token before it (the
@@ -207,6 +229,7 @@ class Scheduler:
         block size 32) never calls into the block manager.
         """
         block_size = self.block_manager.block_size
+        beside_decodes = False
         scheduled = out.scheduled  # `_make_room` edits it in place
         # A copy: `_make_room` may take sequences out of `self.running` while we walk it.
         order = list(self.running)
@@ -228,11 +251,13 @@ class Scheduler:
                 num_new, num_freed_tokens = self._schedule_beams(seq, num_uncomputed, num_budget_tokens,
                                                                  out)
                 num_budget_tokens += num_freed_tokens - num_new
+                beside_decodes = beside_decodes or num_new > 0
                 continue
             if num_uncomputed == 1:  # a decode row
                 num_new = 1
+                beside_decodes = True
             else:
-                num_new = self._num_new_tokens(seq, num_budget_tokens)
+                num_new = self._num_new_tokens(seq, num_budget_tokens, beside_decodes)
                 if num_new == 0:
                     continue
             num_needed_tokens = seq.num_computed_tokens + num_new
@@ -314,6 +339,7 @@ class Scheduler:
         reserve_all = self.policy is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
         num_reserved_blocks = sum(self._reserved_blocks(s) for s in self.running
                                   if reserve_all or s.beam_width > 1)
+        beside_decodes = any(s.num_new_tokens == 1 and s.is_sampled for s in out.scheduled)
         loras = None
         if self.max_loras is not None:
             loras = {s.lora_id for s in self.running if s.lora_id is not None}
@@ -331,7 +357,7 @@ class Scheduler:
                     break
                 num_reserved_blocks += num_seq_blocks
             self.block_manager.allocate_prefix(seq)
-            num_new = self._num_new_tokens(seq, num_budget_tokens)
+            num_new = self._num_new_tokens(seq, num_budget_tokens, beside_decodes)
             num_needed_tokens = seq.num_computed_tokens + num_new
             if num_new == 0 or not self.block_manager.can_allocate(seq, num_needed_tokens):
                 # Give back the prefix blocks; they stay cached for the next try.

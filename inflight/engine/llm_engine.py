@@ -80,7 +80,8 @@ class LLMEngine:
                                    self.max_num_tokens,
                                    self.config.scheduler_config.capacity_scheduler_policy,
                                    self.config.enable_chunked_context,
-                                   max_loras=peft.max_loras if peft is not None else None)
+                                   max_loras=peft.max_loras if peft is not None else None,
+                                   attention_pairs_per_token=self._attention_pairs_per_token())
         self.live = LiveRequests(self.scheduler, self.loras)
         self._next_request_id = 1
         self.iteration = 0
@@ -95,6 +96,13 @@ class LLMEngine:
             prefetch(self.loras, peft.lora_prefetch_dir, self.model_config, peft.max_adapter_size)
         # Test-only: called with the SchedulerOutput before the model runs; may raise.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+
+    def _attention_pairs_per_token(self) -> float | None:
+        """Chunks are costed with their attention on CUDA only: the rates behind the ratio are
+        GPU kernels', and CPU steps (tests, parity runs) keep TensorRT-LLM's token rule."""
+        if getattr(self.worker.device, "type", "cpu") != "cuda":
+            return None
+        return self.model_config.attention_pairs_per_token()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: ExecutorConfig | None = None,

@@ -17,6 +17,7 @@ One module per kernel family, each documenting the tensor layout it expects:
                        out_dtype): FP8 activations in one launch, scales after a unit-scale GEMM
     lora               lora_shrink(x, a, sorted_tokens, slot_starts, max_tokens_per_slot, out=None),
                        lora_expand(s, b, col_starts, sorted_tokens, slot_starts, max_tokens_per_slot, y)
+    greedy             greedy_tokens(logits, invalid): each row's argmax, unusable rows flagged
     reference          plain-torch references and tolerances (no triton needed)
 
 Every wrapper is free of host synchronisation, and takes `out=` (or works in place) where a
@@ -49,6 +50,7 @@ _EXPORTS = {
     "scale_output": "fp8",
     "lora_shrink": "lora",
     "lora_expand": "lora",
+    "greedy_tokens": "greedy",
 }
 
 __all__ = sorted(_EXPORTS) + ["triton_available"]

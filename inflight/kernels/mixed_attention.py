@@ -84,7 +84,7 @@ def paged_mixed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     out = output_like(q, out)
     if num_tokens == 0 or num_rows == 0:
         return out
-    dm, dn, dw, ds = default_tiles(q.dtype, head_dim)
+    dm, dn, dw, ds = default_tiles(q.dtype, head_dim, narrow=True)
     block_m, block_n = block_m or dm, block_n or dn
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads

@@ -47,15 +47,17 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, table, kv_off, seq_len, 
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offs = (block * stride_block + (pos % BLOCK_SIZE) * stride_tok + kv_off)[:, None] + dims[None, :]
         k = _kv_tile(k_ptr + offs, valid, KV_FP8).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
         if CAUSAL:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The scale is applied inside the exponent (one FMA per score) rather than to S first.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _kv_tile(v_ptr + offs, valid, KV_FP8).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        # P V accumulates into the rescaled accumulator in the MMA itself: no second fp32 tile.
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -132,15 +134,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
                 stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, PRECISION, KV_FP8)
 
 
-def default_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+def default_tiles(dtype: torch.dtype, head_dim: int, narrow: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper; see NOTES.md. fp32 (tests,
     parity runs) uses small tiles: its IEEE dot runs on CUDA cores, and 64 x 32 spills on sm_90
-    (checks/compile_kernels.py)."""
+    (checks/compile_kernels.py). A prefill of D = 128 takes 128 keys a tile (measured 1.18x the
+    64-key tile's rate from 8k tokens of context, equal at 2k: bench/bench_prefill.py).
+    `narrow` keeps 64 keys: for mixed steps, mostly short decode rows, and for an FP8 cache,
+    whose conversions spill at 128 keys."""
     if dtype == torch.float32:
         return 32, 32, 8, 1
     if head_dim <= 64:
         return 128, 64, 4, 3
-    return 128, 64, 8, 2
+    return (128, 64, 8, 2) if narrow else (128, 128, 8, 2)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -162,12 +167,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     out = output_like(q, out)
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    dm, dn, dw, ds = default_tiles(q.dtype, head_dim)
+    cache, fp8 = cache_bits(kv_cache)
+    dm, dn, dw, ds = default_tiles(q.dtype, head_dim, narrow=fp8)
     block_m, block_n = block_m or dm, block_n or dn
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     num_m_tiles = cdiv(max_query_len * group, block_m)
-    cache, fp8 = cache_bits(kv_cache)
     _prefill_kernel[(num_seqs, num_kv_heads, num_m_tiles)](
         q, cache[0], cache[1], block_tables, query_start_loc, seq_lens, out,
         scale * (k_scale if fp8 else 1.0) * math.log2(math.e), float(v_scale),

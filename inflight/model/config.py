@@ -159,3 +159,17 @@ class ModelConfig:
         """Bytes of K and V one token occupies across all layers of the paged cache."""
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes
+
+    def attention_pairs_per_token(self, attention_rate_vs_gemm: float = 0.5) -> float:
+        """(query, key) pairs of attention that cost as much GPU time as one token through the
+        layers' GEMMs, for the scheduler's chunk rule (`Scheduler._chunk_limit`): a token's
+        linear FLOPs, 2 per weight of the layers, over a pair's 4 x heads x head_dim per layer,
+        scaled by how much slower the attention kernel runs. The default 0.5 is what one H100
+        measured on 2026-11-28: ~360 TFLOP/s of prefill attention beside ~700 of GEMMs
+        (bench/bench_prefill.py)."""
+        q_width = self.num_attention_heads * self.head_dim
+        kv_width = self.num_key_value_heads * self.head_dim
+        weights_per_layer = (self.hidden_size * (2 * q_width + 2 * kv_width)
+                             + 3 * self.hidden_size * self.intermediate_size)
+        pair_flops_per_layer = 4 * q_width
+        return attention_rate_vs_gemm * 2 * weights_per_layer / pair_flops_per_layer

@@ -34,6 +34,7 @@ from functools import cached_property
 
 import torch
 
+from inflight import kernels
 from inflight.core.beam_search import BeamRow, Candidates
 from inflight.platform import to_device
 from inflight.sampling.beam_search import beam_candidates
@@ -292,6 +293,15 @@ def _flag_invalid(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, tokens, torch.full_like(tokens, INVALID_TOKEN))
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """`_flag_invalid(logits, logits.argmax(dim=-1))`; on CUDA as two Triton launches
+    (inflight/kernels/greedy.py) instead of torch's one-block-per-row argmax and four more
+    kernels (41 us against ~5 at one row of 128k logits on an H100). No host sync."""
+    if logits.is_cuda and kernels.triton_available():
+        return kernels.greedy_tokens(logits, INVALID_TOKEN)
+    return _flag_invalid(logits, logits.argmax(dim=-1))
+
+
 class Sampler:
     """Stateless; `sample` may be called with any mix of greedy and random rows."""
 
@@ -304,13 +314,13 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if all(r.is_plain_greedy for r in rows):  # the common case, checked in one pass
-            return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, [False] * len(rows))
+            return DeviceSample(_greedy(logits), None, [False] * len(rows))
         wants = [r.return_log_probs or r.num_top_log_probs > 0 for r in rows]
         want_log_probs = any(wants)
         if any(r.beam is not None for r in rows):
             return self._with_beams(logits, rows)
         if all(r.is_greedy and not r.has_processors() for r in rows) and not want_log_probs:
-            return DeviceSample(_flag_invalid(logits, logits.argmax(dim=-1)), None, wants)
+            return DeviceSample(_greedy(logits), None, wants)
 
         logits = self.process_logits(logits, rows)  # [S, vocab]
         if all(r.is_greedy for r in rows):

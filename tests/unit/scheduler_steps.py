@@ -20,10 +20,12 @@ _request_ids = itertools.count()
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_batch_size: int = 8,
                    max_num_tokens: int = 64, policy: CapacitySchedulerPolicy = NO_EVICT,
-                   chunked: bool = False, prefix_caching: bool = False) -> Scheduler:
+                   chunked: bool = False, prefix_caching: bool = False,
+                   attention_pairs_per_token: float | None = None) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return Scheduler(bm, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                     policy=policy, enable_chunked_context=chunked)
+                     policy=policy, enable_chunked_context=chunked,
+                     attention_pairs_per_token=attention_pairs_per_token)
 
 
 def make_seq(prompt_len: int, max_new_tokens: int = 4, first_token: int = 100) -> Sequence:

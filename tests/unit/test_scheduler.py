@@ -74,6 +74,38 @@ def test_long_prompt_chunks_never_delay_decodes():
     simulate(sched, [])
 
 
+def test_chunks_beside_decodes_are_costed_with_their_attention():
+    """With `attention_pairs_per_token` K, a chunk after c computed tokens that shares a step
+    with generating rows takes the most n tokens with n + n (c + (n + 1) / 2) / K within what
+    the decodes leave: its late chunks cost the streams no more than its first. Alone, a
+    prompt still takes the whole budget."""
+    budget, k = 64, 32.0
+    alone = make_scheduler(num_blocks=128, max_num_tokens=budget, chunked=True, attention_pairs_per_token=k)
+    outs = simulate(alone, [make_seq(200, max_new_tokens=1)])
+    assert [o.rows[0].num_new_tokens for o in outs] == [64, 64, 64, 8]
+
+    sched = make_scheduler(num_blocks=128, max_num_tokens=budget, chunked=True, attention_pairs_per_token=k)
+    stream = make_seq(2, max_new_tokens=60)
+    sched.add(stream)
+    step(sched)
+    long_prompt = make_seq(200, max_new_tokens=1)
+    sched.add(long_prompt)
+    chunks = []
+    while not long_prompt.is_finished:
+        out = step(sched)
+        rows = {r.seq: r for r in out.rows}
+        assert rows[stream].num_new_tokens == 1
+        row = rows[long_prompt]
+        n, c = row.num_new_tokens, row.start_position
+        cost = n + n * (c + (n + 1) / 2) / k
+        assert cost <= budget - 1 or n == 1, (n, c, cost)
+        if n < 200 - c:  # not cut by the prompt's end: the largest n that fits
+            assert (n + 1) + (n + 1) * (c + (n + 2) / 2) / k > budget - 1, (n, c)
+        chunks.append(n)
+    assert chunks[0] > chunks[-2] > 1  # shrinking as the context grows
+    simulate(sched, [])
+
+
 def test_chunked_context_shares_budget_with_decodes():
     sched = make_scheduler(max_num_tokens=8, chunked=True)
     a, b = make_seq(3, max_new_tokens=6), make_seq(20, max_new_tokens=2)

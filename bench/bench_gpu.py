@@ -3,6 +3,7 @@
 
     python3 bench/bench_gpu.py --quick            # ~3 min on an H100: batch 1/64/256, 128/128
     python3 bench/bench_gpu.py --full             # <= 9 min: batch 1..256, 128/128 and 1000/1000
+    python3 bench/bench_gpu.py --decode           # ~2 min: the decode rows alone (no HF, A/B, profile)
     python3 bench/bench_gpu.py --device cpu --tiny   # dry run of every code path (tiny model)
 
 Every phase runs under a time budget (--budget-s): a measurement whose estimate does not fit
@@ -58,6 +59,10 @@ PLANS = {
                  ab_shapes=["llama-3.2-1b", "llama-3.1-8b"], profile=[1, 64, 256],
                  mixed=(64, (32, 512), (32, 256)), full_load=("llama-3.1-8b", 384, 1000, 1000),
                  max_seq_len=2048),
+    # Decode rows alone (no HF, no A/B, no profile): what bench/gpu_table.sh reads.
+    "decode": dict(budget_s=200, shapes=["llama-3.2-1b", "llama-3.1-8b"], batches=[1, 64, 256],
+                   workloads=[(128, 128)], ab_shapes=[], profile=[], mixed=(64, (32, 512), (32, 256)),
+                   full_load=None, max_seq_len=1024, hf=False),
     "tiny": dict(budget_s=600, shapes=["tiny"], batches=[1, 4], workloads=[(16, 8), (40, 24)],
                  ab_shapes=["tiny"], profile=[1, 4], mixed=(6, (8, 40), (4, 16)),
                  full_load=("tiny", 8, 40, 24), max_seq_len=128),
@@ -144,6 +149,22 @@ class Bench:
         b1_in, b1_out = self.plan["workloads"][0]
         b1_prompt = random_prompts(1, b1_in, vocab, seed=9)
         hf_res = out.setdefault("hf", {})
+        if not self.plan.get("hf", True):
+            weights = dict(hf.state_dict())
+            del hf
+            free_memory(self.device)
+            engine = make_engine(folder, weights, self.device, "bfloat16" if self.dtype == torch.bfloat16
+                                 else "float32", max(self.plan["batches"]), self.plan["max_seq_len"])
+            del weights
+            try:
+                self.guarded("warm-up run", run_engine, engine, random_prompts(4, 16, vocab, 1), [8] * 4,
+                             time.perf_counter() + max(self.budget.left, 1.0))
+                for (n_in, n_out), batch in [(w, b) for w in self.plan["workloads"] for b in self.plan["batches"]]:
+                    self.sweep_point(shape, engine, out, vocab, n_in, n_out, batch)
+            finally:
+                del engine
+                free_memory(self.device)
+            return
         if self.device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(False)  # HF's fast setting on torch 2.11
         self.guarded("hf warm-up", hf_generate, hf, parity_prompts[:1], 2, self.device)
@@ -270,6 +291,8 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="plan", action="store_const", const="quick")
     mode.add_argument("--full", dest="plan", action="store_const", const="full")
+    mode.add_argument("--decode", dest="plan", action="store_const", const="decode",
+                      help="decode rows only (batch 1/64/256, 128/128, both shapes; ~2 min)")
     mode.add_argument("--tiny", dest="plan", action="store_const", const="tiny",
                       help="a tiny model: a dry run of every code path (use with --device cpu)")
     parser.add_argument("--device", default="cuda")

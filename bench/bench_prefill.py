@@ -22,7 +22,8 @@ FLOPs = 2 x non-embedding parameters x T + attention 4 x L x Hq x D x T(T+1)/2. 
 `itl`: `--streams` greedy streams decode in the 8B engine; one prompt of `--prompt-tokens`
 arrives (bench/bench_long_prompt.py's `measure`), per `--max-num-tokens` budget: the streams'
 inter-token latency while it is prefilled (median, worst) beside their plain decode step, and
-the prompt's time to first token.
+the prompt's time to first token; last, the same with the engine configured as the default
+repository built by tools/build_repository.py (chunked context on, its token budget).
 
 Results go to --out (default $OUT or /tmp/bench_prefill) as prefill_<mode>.json.
 """
@@ -30,6 +31,7 @@ Results go to --out (default $OUT or /tmp/bench_prefill) as prefill_<mode>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -37,7 +39,7 @@ import time
 
 import torch
 from bench_gpu_cli import log, open_device, start_random_engine, write_results
-from bench_gpu_runs import free_memory, sync
+from bench_gpu_runs import build_hf, free_memory, sync
 
 from inflight.api.types import Request
 from inflight.kernels.prefill_attention import default_tiles, paged_prefill_attention
@@ -237,22 +239,45 @@ def plain_step_ms(engine, num_streams: int, num_steps: int = 20) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def repository_engine(shape: str, device, max_seq_len: int):
+    """An engine configured as tools/build_repository.py's default repository configures the
+    `tensorrt_llm` model (guided decoding aside: a random checkpoint has no tokenizer)."""
+    from tools.build_repository import DEFAULTS
+
+    from inflight.engine.llm_engine import LLMEngine
+    from inflight.serving.params import executor_config
+    params = {k: v for k, v in DEFAULTS.items() if v and k != "guided_decoding_backend"}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = dataclasses.replace(executor_config(params), device=str(device), max_seq_len=max_seq_len,
+                                 dtype=str(dtype).removeprefix("torch."))
+    hf, folder = build_hf(shape, device, dtype)
+    weights, vocab = dict(hf.state_dict()), hf.config.vocab_size
+    del hf
+    free_memory(device)
+    return LLMEngine.from_dir(str(folder), config, weights=weights), vocab
+
+
 def itl_under_prefill(device, args) -> list[dict]:
     from bench_long_prompt import measure
     rows = []
     shape = "tiny" if args.tiny else "llama-3.1-8b"
     prompt_tokens = 300 if args.tiny else args.prompt_tokens
-    for budget in args.max_num_tokens:
-        engine, vocab, _ = start_random_engine(shape, device, max_batch_size=args.streams + 1,
-                                               max_seq_len=prompt_tokens + 64, max_num_tokens=budget)
+    for budget in args.max_num_tokens + ["repository"]:
+        if budget == "repository":
+            engine, vocab = repository_engine(shape, device, prompt_tokens + 64)
+            config, budget = "default repository", engine.max_num_tokens
+        else:
+            engine, vocab, _ = start_random_engine(shape, device, max_batch_size=args.streams + 1,
+                                                   max_seq_len=prompt_tokens + 64, max_num_tokens=budget)
+            config = "chunked"
         plain_ms = plain_step_ms(engine, args.streams)
         measure(engine, args.streams, min(prompt_tokens, 2 * budget), vocab)  # warm-up
         r = measure(engine, args.streams, prompt_tokens, vocab)
-        row = dict(max_num_tokens=budget, streams=args.streams, prompt_tokens=prompt_tokens,
+        row = dict(config=config, max_num_tokens=budget, streams=args.streams, prompt_tokens=prompt_tokens,
                    plain_step_ms=plain_ms, itl_median_ms=1e3 * r["itl_median_s"],
                    itl_max_ms=1e3 * r["itl_max_s"], ttft_s=r["ttft_s"], steps=r["steps"])
         rows.append(row)
-        log(f"  budget {budget:>6}: {args.streams} streams' ITL under a {prompt_tokens}-token prompt "
+        log(f"  {config}, budget {budget}: {args.streams} streams' ITL under a {prompt_tokens}-token prompt "
             f"median {row['itl_median_ms']:.1f} ms, worst {row['itl_max_ms']:.1f} ms (plain step "
             f"{plain_ms:.1f} ms); the prompt's TTFT {r['ttft_s']:.2f} s in {r['steps']} steps")
         del engine

@@ -137,15 +137,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, 
 def default_tiles(dtype: torch.dtype, head_dim: int, narrow: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper; see NOTES.md. fp32 (tests,
     parity runs) uses small tiles: its IEEE dot runs on CUDA cores, and 64 x 32 spills on sm_90
-    (checks/compile_kernels.py). A prefill of D = 128 takes 128 keys a tile (measured 1.18x the
-    64-key tile's rate from 8k tokens of context, equal at 2k: bench/bench_prefill.py).
+    (checks/compile_kernels.py). A prefill of D = 128 takes 128 keys a tile, 3 stages deep:
+    ~400 TFLOP/s on an H100 from 8k tokens of context against the 64-key tile's ~310, and
+    equal at 2k (bench/bench_prefill.py kernel, 2026-11-28).
     `narrow` keeps 64 keys: for mixed steps, mostly short decode rows, and for an FP8 cache,
     whose conversions spill at 128 keys."""
     if dtype == torch.float32:
         return 32, 32, 8, 1
     if head_dim <= 64:
         return 128, 64, 4, 3
-    return (128, 64, 8, 2) if narrow else (128, 128, 8, 2)
+    return (128, 64, 8, 2) if narrow else (128, 128, 8, 3)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -290,9 +290,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp"))
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="tiny shapes on the CPU with gloo ranks: the script's code paths, no numbers")
-    parser.add_argument("--check-graphs", choices=["auto", "off", "both"], default="both",
-                        help="cuda_graph_mode of the tp engines checked (one tp > 1 engine per process "
-                             "on CUDA: NCCL groups end with the process, see TensorParallel.destroy)")
+    parser.add_argument("--check-graphs", choices=["auto", "off", "both"], default="auto",
+                        help="cuda_graph_mode of the tp engines checked; on CUDA one tp > 1 engine per "
+                             "process (NCCL groups end with the process, see TensorParallel.destroy), "
+                             "so check eager mode in a second run with `off`")
     parser.add_argument("--watchdog-s", type=float, default=0,
                         help="after this long, dump every rank's Python stacks and exit 3 (0: never); "
                              "set it below the caller's time limit")

@@ -35,6 +35,10 @@ DEFAULT_TIMEOUT_S = 1800
 # How long the collective teardown (`TensorParallel.close`) waits for a peer, then each step of it.
 CLOSE_TIMEOUT_S = 30
 
+# All-reduces of up to this many bytes go through peer-mapped buffers (`OneShotAllReduce`): a
+# decode step's activations (8 KiB a row at hidden size 4096). Larger ones, prefill's, use NCCL.
+ONE_SHOT_MAX_BYTES = 1 << 20
+
 # Step messages: a header [kind, payload length] then the payload.
 MSG_STEP = 1
 MSG_STOP = 2
@@ -52,6 +56,46 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("INFLIGHT_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
 
 
+class OneShotAllReduce:
+    """Sums small tensors over the ranks in one kernel through torch's symmetric memory: each
+    rank copies its input into a buffer that every peer has mapped, then reads all ranks'
+    buffers and adds them (`symm_mem::one_shot_all_reduce_copy`; peer-to-peer over NVLink,
+    multicast not used). NCCL's ring spends its time on latency at decode sizes: the 8B shape's
+    64 all-reduces a step looked like tp=2's gap to a 2x step (they were not: `_one_shot`).
+    Captured in CUDA graphs like any kernel. Built on every rank at once (the rendezvous is
+    collective)."""
+
+    def __init__(self, group: Any, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
+                and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # A view at the buffer's start: the op finds the peers' mappings by its address.
+        buf = self.buffer.view(x.dtype)[:x.numel()].view(x.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x, "sum", self.group_name)
+
+
+def _one_shot(group: Any, device: torch.device) -> OneShotAllReduce | None:
+    """The one-shot all-reduce on CUDA with INFLIGHT_TP_ONE_SHOT=1, else None (NCCL for every
+    size; also where torch's symmetric memory is missing or fails to set up). Off by default:
+    on 2 H100s (2026-11-28, 8B shape, bench/gpu_tp.py --bench) it gave the same step as NCCL,
+    4.19 against 4.18 ms at batch 1 and 5.27 against 5.22 ms at batch 64."""
+    if device.type != "cuda" or os.environ.get("INFLIGHT_TP_ONE_SHOT", "0") != "1":
+        return None
+    try:
+        return OneShotAllReduce(group, device)
+    except (ImportError, RuntimeError, AttributeError) as exc:
+        logger.warning("one-shot all-reduce unavailable (%s); NCCL for every all-reduce", exc)
+        return None
+
+
 @dataclass
 class TensorParallel:
     """This process's place in the engine's tensor-parallel group."""
@@ -60,6 +104,7 @@ class TensorParallel:
     size: int = 1
     device_group: Any = None
     cpu_group: Any = None
+    one_shot: OneShotAllReduce | None = None
 
     @classmethod
     def single(cls) -> "TensorParallel":
@@ -74,8 +119,10 @@ class TensorParallel:
                                 world_size=size, timeout=_timeout(), **kwargs)
         device_group = dist.group.WORLD
         cpu_group = dist.new_group(backend="gloo", timeout=_timeout()) if backend == "nccl" else device_group
-        logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, device, backend)
-        return cls(rank, size, device_group, cpu_group)
+        one_shot = _one_shot(device_group, device)
+        logger.info("tensor-parallel rank %d of %d on %s (%s%s)", rank, size, device, backend,
+                    ", one-shot all-reduce up to 1 MiB" if one_shot else "")
+        return cls(rank, size, device_group, cpu_group, one_shot)
 
     @property
     def is_parallel(self) -> bool:
@@ -88,8 +135,11 @@ class TensorParallel:
     # ----- the model's collectives (inside CUDA graphs on CUDA) -------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place."""
+        """Sum of `x` over the ranks: `x` itself summed in place (NCCL, gloo), or a new tensor
+        (the one-shot path, for small tensors on CUDA). Callers use the returned tensor."""
         if self.size > 1:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot(x)
             dist.all_reduce(x, group=self.device_group)
         return x
 

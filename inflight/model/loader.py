@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from inflight import kernels
 from inflight.distributed.group import TensorParallel
 from inflight.model.config import ModelConfig
 from inflight.model.llama import LlamaForCausalLM
@@ -28,6 +29,7 @@ from inflight.model.quantization import (FP8, KV_SCALE_SUFFIXES, RESHAPED_SUFFIX
                                          finalize_linears, fuse_input_quantization, quantize_linears,
                                          scheme_for)
 from inflight.model.sharding import Shard, check_divisible, shard_for
+from inflight.model.skinny import use_skinny_gemv
 from inflight.platform import packs_projections, to_cpu_gemm_layout, uses_cpu_gemm_layout
 
 # Checkpoint entries that are derived state, not weights (old Llama exports carry these).
@@ -237,6 +239,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     fuse_input_quantization(model, dtype)  # FP8 inputs made by the kernels before (CUDA)
     if uses_cpu_gemm_layout(device, dtype):
         _use_cpu_gemm_layout(model)
+    if device.type == "cuda" and attention_backend == "triton" and kernels.triton_available():
+        use_skinny_gemv(model)  # plain bf16/fp16 projections only; see inflight/model/skinny.py
     model.model.rotary_emb.reset_cache(device)
     model.eval()
     return model, config

@@ -17,6 +17,7 @@ import logging
 import socket
 import sys
 import time
+from email.utils import formatdate
 from pathlib import Path
 
 from ensemble.limits import PromptLimits
@@ -140,11 +141,53 @@ async def build(args) -> tuple[TritonClient, ServedModel]:
 
 def _server(config, client: TritonClient, drain_s: float):
     import uvicorn
+    from uvicorn.server import ServerState
+
+    class State(ServerState):
+        """uvicorn's shared state, whose `default_headers` (the Date header) are made when a
+        request reads them, once a second at most, not refreshed by a timer."""
+
+        def __init__(self):
+            self._date = (-1, [])  # (the second, the headers for it)
+            super().__init__()
+
+        @property
+        def default_headers(self) -> list[tuple[bytes, bytes]]:
+            second = int(time.time())
+            if second != self._date[0]:
+                date = [(b"date", formatdate(second, usegmt=True).encode())] if config.date_header else []
+                self._date = (second, date + config.encoded_headers)
+            return self._date[1]
+
+        @default_headers.setter
+        def default_headers(self, value) -> None:  # uvicorn's start value; its tick is not run
+            pass
 
     class Server(uvicorn.Server):
         """Drains when asked to stop: the listening socket closes and readiness turns 503 at
         once, the answers in flight get `drain_s` to finish, then end with a 503 error event
-        (their Triton requests cancelled), so every stream closes cleanly."""
+        (their Triton requests cancelled), so every stream closes cleanly.
+
+        Idle, it does nothing: uvicorn's main loop wakes ten times a second to look for a stop
+        and refresh the Date header (most of an idle worker's CPU, with the readiness polling
+        that is gone too); here a stop signal wakes it, and `State` makes the header."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.server_state = State()
+            self._stop_asked = asyncio.Event()
+            self._loop = None
+
+        async def main_loop(self):  # uvicorn's also enforces limit_max_requests: not set here
+            self._loop = asyncio.get_running_loop()
+            while not self.should_exit:
+                await self._stop_asked.wait()
+                self._stop_asked.clear()
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if self._loop is not None:  # a signal handler: the loop may be anywhere, hence threadsafe
+                self._loop.call_soon_threadsafe(self._stop_asked.set)
 
         async def shutdown(self, sockets=None):
             client.start_draining()
@@ -167,12 +210,10 @@ async def serve(args) -> None:
                             timeout_graceful_shutdown=args.drain_timeout_s + GRACEFUL_SHUTDOWN_S)
     server = _server(config, client, args.drain_timeout_s)
     logger.info("serving model %r (Triton model %r at %s)", served.name, args.model, args.triton_url)
-    watcher = asyncio.create_task(client.watch_readiness())
     sockets = None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)]
     try:
         await server.serve(sockets)
     finally:
-        watcher.cancel()
         await client.close()
 
 

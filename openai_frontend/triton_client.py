@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -34,7 +33,6 @@ from openai_frontend.infer_request import EngineChunk, EngineRequest, decode_chu
 
 __all__ = ["EngineChunk", "EngineRequest", "ModelInfo", "TritonClient", "classify"]
 
-READY_TTL_S = 2.0  # a successful readiness check is trusted this long
 CONTROL_TIMEOUT_S = 5.0  # for unary calls (readiness, configs)
 
 
@@ -103,7 +101,8 @@ class TritonClient:
             "/inference.GRPCInferenceService/ModelStreamInfer",
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
-        self._ready_until = 0.0
+        self._is_ready = False  # known from events (see check_ready), never from a timer
+        self._num_unready = 0  # mark_unready calls: a check that began before one proves nothing
         self._streams: dict = {}  # live gRPC stream -> whether stop_streams cancelled it
         self.is_stopping = False
 
@@ -125,14 +124,20 @@ class TritonClient:
             stream.cancel()
 
     async def check_ready(self, fresh: bool = False) -> None:
-        """Raise a 503 APIError unless Triton answers and the model is ready. A success is
-        trusted for READY_TTL_S unless `fresh`; `watch_readiness` keeps it fresh, so requests
-        do not pay for a round trip."""
+        """Raise a 503 APIError unless Triton answers and the model is ready.
+
+        Readiness is kept from events, not polled, so an idle frontend sends Triton nothing: a
+        successful check makes the model ready, and it stays so until something shows otherwise
+        (`mark_unready`): a check that fails, a generation that fails for want of Triton or the
+        model (a 503, or the connection lost), or the drain at shutdown. Meanwhile requests skip
+        the round trip; once marked, each one checks again until Triton answers ready. Should
+        Triton go away while no request arrives, the first request's stream fails, with the
+        same 503 a check would have given. `fresh` (/health/ready) always asks Triton."""
         if self.is_stopping:
             raise unavailable("The server is shutting down.")
-        now = time.monotonic()
-        if not fresh and now < self._ready_until:
+        if self._is_ready and not fresh:
             return
+        num_unready = self._num_unready
         try:
             ready = await self.client.is_model_ready(self.model, client_timeout=CONTROL_TIMEOUT_S)
         except InferenceServerException as exc:
@@ -141,20 +146,13 @@ class TritonClient:
         if not ready:
             self.mark_unready()
             raise unavailable(f"The model `{self.model}` is not ready on Triton at {self.url}.")
-        self._ready_until = now + READY_TTL_S
-
-    async def watch_readiness(self, period_s: float = READY_TTL_S / 2) -> None:
-        # Half the trust period: a request never finds the last success expired while ready.
-        """Check readiness in the background for ever (run it as a task; cancel to stop)."""
-        while True:
-            try:
-                await self.check_ready(fresh=True)
-            except APIError:
-                pass  # requests check again themselves while Triton is not ready
-            await asyncio.sleep(period_s)
+        # A failure seen while this check was on the wire is newer news than its answer.
+        self._is_ready = num_unready == self._num_unready and not self.is_stopping
 
     def mark_unready(self) -> None:
-        self._ready_until = 0.0
+        """Triton or the model failed: the next request checks readiness first."""
+        self._is_ready = False
+        self._num_unready += 1
 
     async def model_info(self) -> ModelInfo:
         """Merge the parameters of the ensemble's steps (or of the model itself)."""
@@ -196,9 +194,10 @@ class TritonClient:
                     raise api_error
                 yield decode_chunk(response.infer_response)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            api_error = classify_rpc(exc, self.url)
+            if api_error.status == 503:  # Triton unreachable, or the model gone
                 self.mark_unready()
-            raise classify_rpc(exc, self.url) from None
+            raise api_error from None
         except asyncio.CancelledError:
             if self._streams.get(stream):  # cancelled by stop_streams, not by our caller
                 raise unavailable("The server is shutting down.") from None

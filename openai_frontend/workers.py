@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from ensemble.supervisor import StopSignals, die_with_parent, signal_all, stop_all, watch
 
@@ -64,7 +66,7 @@ def run(argv: list[str], host: str, port: int, num_workers: int, drain_timeout_s
     sock.close()
     logger.info("%d workers on http://%s:%d (pids %s)", num_workers, host, bound[1],
                 " ".join(str(w.pid) for w in workers))
-    dead = watch(workers, signals.stop)
+    dead = _watch(workers, signals.stop)
     signal_all(*workers)  # a stop was asked: each drains; or one died: the others end
     if dead is not None:
         logger.error("worker %d exited with code %s; stopping the others", dead.pid, dead.returncode)
@@ -72,6 +74,36 @@ def run(argv: list[str], host: str, port: int, num_workers: int, drain_timeout_s
         return 1
     stop_all(workers, drain_timeout_s + 3 * STOP_TIMEOUT_S, signals.hurry, _name)
     return 0 if all(worker.returncode in CLEAN_EXITS for worker in workers) else 1
+
+
+def _watch(workers: list[subprocess.Popen], stop: threading.Event) -> subprocess.Popen | None:
+    """ensemble.supervisor.watch without its poll twice a second: the wait ends when a worker
+    exits (its pidfd turns readable) or a signal arrives (the wakeup fd), so an idle supervisor
+    never runs. Falls back to `watch` where pidfds are missing (not Linux 5.3+)."""
+    pidfds: dict[int, subprocess.Popen] = {}
+    try:
+        for worker in workers:
+            pidfds[os.pidfd_open(worker.pid)] = worker
+    except (AttributeError, OSError):
+        for fd in pidfds:
+            os.close(fd)
+        return watch(workers, stop)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    previous = signal.set_wakeup_fd(wake_write)  # set before `stop` is read: no signal is missed
+    try:
+        while not stop.is_set():
+            ready, _, _ = select.select([wake_read, *pidfds], [], [])
+            for fd in ready:
+                if fd in pidfds and pidfds[fd].poll() is not None:
+                    return pidfds[fd]
+            if wake_read in ready:
+                os.read(wake_read, 512)
+        return None
+    finally:
+        signal.set_wakeup_fd(previous)
+        for fd in (wake_read, wake_write, *pidfds):
+            os.close(fd)
 
 
 def _name(worker: subprocess.Popen) -> str:

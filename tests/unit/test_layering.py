@@ -67,7 +67,8 @@ ALLOWED = {
     "inflight.kernels": {"inflight.platform", "inflight.intmath"},
     "inflight.distributed": {"ensemble", "inflight.core", *_INFLIGHT_GROUND},
     "inflight.model": {"ensemble", "inflight.kernels", "inflight.distributed", *_INFLIGHT_GROUND},
-    "inflight.sampling": {"ensemble", "inflight.core", *_INFLIGHT_GROUND},
+    # kernels: greedy sampling's argmax on CUDA (inflight/kernels/greedy.py)
+    "inflight.sampling": {"ensemble", "inflight.core", "inflight.kernels", *_INFLIGHT_GROUND},
     "inflight.lora": {"ensemble", "inflight.model", "inflight.kernels", *_INFLIGHT_GROUND},
     "inflight.runner": {"ensemble", "inflight.core", "inflight.model", "inflight.kernels", "inflight.sampling",
                         "inflight.distributed", "inflight.lora", *_INFLIGHT_GROUND},

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[1]  # run with PYTHONPATH at the repository root
+DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SHIM = r"""
@@ -317,8 +317,6 @@ def report(windows: list[list[Usage]], show_threads: bool) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    from tests.conftest import DEFAULT_MODEL_DIR
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--window-s", type=float, default=10.0, help="length of one idle sample")

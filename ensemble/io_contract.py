@@ -19,8 +19,9 @@ therefore optional here: preprocessing refuses a request with neither or both),
 `logit_bias`), `num_top_log_probs` with the outputs `top_log_probs` / `top_log_prob_ids` (the K
 most likely tokens at each generated position), `return_prompt_log_probs` with `prompt_log_probs`
 (and `prompt_top_log_probs` / `_ids`), `min_length`
-(genai-perf sends it; an alias of `min_tokens`) and the two token counts NVIDIA added to
-`tensorrt_llm` later.
+(genai-perf sends it; an alias of `min_tokens`), the two token counts NVIDIA added to
+`tensorrt_llm` later, and `tensorrt_llm`'s text inputs of the ensemble's direct path
+(`DIRECT_TEXT_INPUTS`; with them `input_lengths` is optional there, filled by the model).
 
 A dtype written `name=TYPE` is filled from the template variable `name` (NVIDIA's
 `logits_datatype`, ...), TYPE being the value the repository builder uses and accepts.
@@ -148,7 +149,7 @@ TENSORRT_LLM = ModelIO(
 input_ids                           INT32   -1      ragged
 encoder_input_features              encoder_input_features_data_type=FP16  -1,-1  ragged
 encoder_output_lengths              INT32   1       scalar
-input_lengths                       INT32   1       required scalar
+input_lengths                       INT32   1       scalar
 request_output_len                  INT32   1       required scalar
 num_return_sequences                INT32   1       scalar
 draft_input_ids                     INT32   -1      ragged
@@ -210,6 +211,18 @@ guided_decoding_guide               STRING  1       ragged
 lookahead_window_size               INT32   1       ragged
 lookahead_ngram_size                INT32   1       ragged
 lookahead_verification_set_size     INT32   1       ragged
+text_input                          STRING  1       ext
+query_input_ids                     INT32   -1      ragged ext
+decoder_text_input                  STRING  1       ext
+bad_words                           STRING  -1      ragged ext
+stop_words                          STRING  -1      ragged ext
+embedding_bias_words                STRING  -1      ragged ext
+embedding_bias_weights              FP32    -1      ragged ext
+embedding_bias_ids                  INT32   -1      ragged ext
+prompt_table_extra_id               UINT64  1       ext
+apply_chat_template                 BOOL    1       ext
+add_special_tokens                  BOOL    1       ext
+parse_special_tokens                BOOL    1       ext
 """),
     outputs=_table("""
 output_ids                   INT32   -1,-1
@@ -376,6 +389,20 @@ PREPROCESSING_TO_ENGINE = {
     "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
     "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
     "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids",
+}
+# The ensemble's direct path (tools/build_repository.py --tokenize_in tensorrt_llm): each
+# preprocessing input -> the tensorrt_llm input that takes it instead, the model then running
+# the preprocessing itself (`preprocessing.prompts.DirectText`). NVIDIA's input where one has the
+# same meaning, else an ext input named as the ensemble's (`input_ids`, taken, becomes
+# `query_input_ids`).
+DIRECT_TEXT_INPUTS = {
+    "QUERY": "text_input", "QUERY_IDS": "query_input_ids", "DECODER_QUERY": "decoder_text_input",
+    "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_DICT": "bad_words",
+    "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+    "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "EMBEDDING_BIAS_IDS": "embedding_bias_ids",
+    "END_ID": "end_id", "PAD_ID": "pad_id", "PROMPT_TABLE_EXTRA_ID": "prompt_table_extra_id",
+    "APPLY_CHAT_TEMPLATE": "apply_chat_template", "ADD_SPECIAL_TOKENS": "add_special_tokens",
+    "PARSE_SPECIAL_TOKENS": "parse_special_tokens",
 }
 ENGINE_TO_POSTPROCESSING = {
     "output_ids": "TOKENS_BATCH", "sequence_length": "SEQUENCE_LENGTH",

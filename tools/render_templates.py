@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ensemble.io_contract import (ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,
+from ensemble.io_contract import (DIRECT_TEXT_INPUTS, ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,
                                   ENSEMBLE, MODELS, PREPROCESSING_TO_ENGINE,
                                   TensorSpec, text_input_route)
 
@@ -50,38 +50,45 @@ def _step(model: str, inputs, outputs) -> str:
     return "\n".join(lines + _maps("input_map", inputs) + _maps("output_map", outputs) + ["    }"])
 
 
-def ensemble_steps() -> str:
-    """The ensemble's three steps. Client inputs keep their names inside the ensemble; the
-    tensors passed between steps are named `_<producing output>`."""
+def ensemble_steps(direct: bool = False) -> str:
+    """The ensemble's steps. Client inputs keep their names inside the ensemble; the tensors
+    passed between steps are named `_<producing output>`. NVIDIA's three steps, or with
+    `direct` two: the text inputs go to tensorrt_llm (`DIRECT_TEXT_INPUTS`), which preprocesses
+    them itself, and no first token waits for a hop through the preprocessing model."""
     routes = {name: text_input_route(name) for name in (t.name for t in ENSEMBLE.inputs)}
     pre_in = [(step_input, name) for name, (model, step_input) in routes.items()
               if model == "preprocessing"]
     pre_out = [(o, f"_{o}") for o in PREPROCESSING_TO_ENGINE]
-    engine_in = [(i, f"_{o}") for o, i in PREPROCESSING_TO_ENGINE.items()]
+    if direct:
+        engine_in = [(DIRECT_TEXT_INPUTS[step_input], name) for step_input, name in pre_in]
+    else:
+        engine_in = [(i, f"_{o}") for o, i in PREPROCESSING_TO_ENGINE.items()]
     engine_in += [(step_input, name) for name, (model, step_input) in routes.items()
                   if model == "tensorrt_llm"]
     engine_out = [(o, f"_{o}") for o in ENGINE_TO_POSTPROCESSING]
     engine_out += [(o, o) for o in ENGINE_PASS_THROUGH]
     post_in = [(i, f"_{o}") for o, i in ENGINE_TO_POSTPROCESSING.items()]
-    steps = [_step("preprocessing", pre_in, pre_out), _step("tensorrt_llm", engine_in, engine_out),
-             _step("postprocessing", post_in, [("OUTPUT", "text_output")])]
+    steps = [] if direct else [_step("preprocessing", pre_in, pre_out)]
+    steps += [_step("tensorrt_llm", engine_in, engine_out),
+              _step("postprocessing", post_in, [("OUTPUT", "text_output")])]
     return "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}"
 
 
-def generated_block(model: str) -> str:
+def generated_block(model: str, direct: bool = False) -> str:
     io = MODELS[model]
     parts = [BEGIN, _tensor_list("input", io.inputs, True), _tensor_list("output", io.outputs, False)]
     if model == "ensemble":
-        parts.append(ensemble_steps())
+        parts.append(ensemble_steps(direct))
     return "\n".join(parts + [END])
 
 
-def render(text: str, model: str) -> str:
-    """`text` with its generated block replaced (the markers must be there)."""
+def render(text: str, model: str, direct: bool = False) -> str:
+    """`text` with its generated block replaced (the markers must be there); `direct`: the
+    ensemble's direct steps (`ensemble_steps`)."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"{model}/config.pbtxt has no '{BEGIN}' ... '{END}' block")
-    return text[:start] + generated_block(model) + text[end + len(END):]
+    return text[:start] + generated_block(model, direct) + text[end + len(END):]
 
 
 def main(argv=None) -> int:

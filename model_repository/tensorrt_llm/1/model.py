@@ -5,7 +5,9 @@ read by `ensemble.params` and `inflight.serving.params`, plus `executor_backend`
 tensorrtllm) and `engine_process` (true: the engine runs in a process of its own, off this
 stub's interpreter lock; false: in a thread here, as the tensorrtllm backend always does).
 
-`execute` converts and hands each request to `inflight.serving.request_table`, then returns.
+`execute` converts and hands each request to `inflight.serving.request_table`, then returns. A
+request carrying the ensemble's text (its direct path, `io_contract.DIRECT_TEXT_INPUTS`) is
+first preprocessed here with `tokenizer_dir`'s tokenizer (`preprocessing.prompts.DirectText`).
 Threads: a responder makes every send (the engine's responses, and what the others post to
 it: `execute`'s error and stop answers, drain ticks), a poller cancels requests whose client
 cancelled or whose `timeout` parameter has passed (every `cancellation_check_period_ms`; see
@@ -34,6 +36,7 @@ from inflight.serving.engine_client import EngineProcess, EngineStartError, InPr
 from inflight.serving.params import executor_config, ignored_parameters
 from inflight.serving.request_table import RequestTable
 from inflight.serving.timings import Timings
+from preprocessing.prompts import DirectText
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -98,6 +101,7 @@ class TritonPythonModel:
         self.table = RequestTable(engine, Sink(), self.metrics.observe, self.timings)
         self.published_stats = None
         self.input_names = frozenset(spec.name for spec in TENSORRT_LLM.inputs)
+        self.direct_text = DirectText.from_params(values)  # the ensemble's text, tokenized here
         self.stopping = threading.Event()
         # Only the responder sends; the poller only asks (guarded against a final being sent).
         self.threads = [threading.Thread(target=self._respond, daemon=True),
@@ -145,7 +149,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = self._inputs(request)
+                inputs = self.direct_text.resolve(self._inputs(request))
                 if convert.is_stop_request(inputs):
                     self._control(request.request_id(), sender)
                     continue

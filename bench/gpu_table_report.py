@@ -55,8 +55,8 @@ def main(out: Path) -> int:
     env = load(new / "decode" / "bench.json") or {}
     device = env.get("env", {}).get("device", "?")
     lines = [f"## Issue 28's table: {device}, {env.get('env', {}).get('date', '?')}",
-             "baseline = the previous commit's code, measured in the same run on the same GPU", "",
-             "| what | baseline | now | goal | |", "| --- | ---: | ---: | ---: | --- |"]
+             "baseline: the previous code (BASE), measured by the same scripts on the same GPU minutes apart",
+             "", "| what | baseline | now | goal | |", "| --- | ---: | ---: | ---: | --- |"]
     dec_new, dec_base = decode_rows(new), decode_rows(base)
     for (shape, batch), goal in DECODE_GOALS.items():
         now = dec_new.get((shape, batch))

@@ -43,10 +43,11 @@ class Scheduler:
                  policy: CapacitySchedulerPolicy, enable_chunked_context: bool, max_loras: int | None = None,
                  attention_pairs_per_token: float | None = None):
         """`attention_pairs_per_token`: how many (query, key) pairs of attention cost as much as
-        one token's linear layers (`chunk_cost_ratio`); given, a prompt chunk that shares a step
-        with generating rows is cut so that its linear work plus its attention over the context
-        fits the token budget (`_chunk_limit`), and a long prompt's late chunks hold the streams
-        no longer than its first. None: chunks are cut by tokens alone (TensorRT-LLM's rule)."""
+        one token's linear layers (`ModelConfig.attention_pairs_per_token`); given, a prompt
+        chunk that shares a step with generating rows is cut so that its linear work plus its
+        attention over the context fits the token budget (`_chunk_limit`), and a long prompt's
+        late chunks hold the streams no longer than its first. None: chunks are cut by tokens
+        alone (TensorRT-LLM's rule)."""
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be > 0, got {max_batch_size}")
         if max_num_tokens <= 0:

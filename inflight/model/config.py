@@ -164,8 +164,8 @@ class ModelConfig:
         """(query, key) pairs of attention that cost as much GPU time as one token through the
         layers' GEMMs, for the scheduler's chunk rule (`Scheduler._chunk_limit`): a token's
         linear FLOPs, 2 per weight of the layers, over a pair's 4 x heads x head_dim per layer,
-        scaled by how much slower the attention kernel runs. The default 0.5 is what one H100
-        measured on 2026-11-28: ~360 TFLOP/s of prefill attention beside ~700 of GEMMs
+        scaled by how much slower the attention kernel runs. The default 0.5 is about what one
+        H100 measured on 2026-11-28: 360-400 TFLOP/s of prefill attention beside ~700 of GEMMs
         (bench/bench_prefill.py)."""
         q_width = self.num_attention_heads * self.head_dim
         kv_width = self.num_key_value_heads * self.head_dim

@@ -14,6 +14,14 @@ from pathlib import Path
 
 import pytest
 
+# gRPC's fork handlers off, before anything imports grpc. Every server, launcher and frontend
+# the tests start is a subprocess.Popen with a preexec_fn (ensemble.supervisor.die_with_parent),
+# i.e. a real fork of this process, which holds gRPC clients; gRPC runs its pthread_atfork
+# handlers in every such fork, and one of them can wait for ever for gRPC's thread pool to go
+# idle (it hung a whole suite run in a launch, grpc/grpc#37259). The children exec at once and
+# never use this process's gRPC state, so they need no handler.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 

@@ -218,10 +218,13 @@ def collect(results: queue.Queue, timeout_s: float = 120) -> StreamResult:
 
 @contextlib.contextmanager
 def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None = None,
-                   triton_args: tuple[str, ...] = (), prepare=None, **build_values):
+                   triton_args: tuple[str, ...] = (), prepare=None, stops: BackgroundStops | None = None,
+                   **build_values):
     """Build a repository for `model_dir` under `work_dir` and serve it until the block ends
     (`triton_args`: more tritonserver flags, e.g. a trace configuration; `prepare`: called with
-    the built repository's path before the server starts)."""
+    the built repository's path before the server starts). When the block ends the server is
+    stopped and `check_clean_exit` checked, on a thread of `stops` if given (the block ends at
+    once), else before the block returns."""
     args = build_repository.parse_args(["--model", str(model_dir), "--out", str(work_dir / "repo"),
                                         "--force"])
     values = build_repository.values_from_args(args)
@@ -245,17 +248,74 @@ def running_server(model_dir: Path, work_dir: Path, env: dict[str, str] | None =
         except launch_triton_server.ServerError as exc:
             raise RuntimeError(f"{exc}\n--- server log ---\n{server.log_tail()}") from None
         yield server
-    finally:
-        stop_began = time.monotonic()
-        launch_triton_server.stop(launched.process)
-        exit_s = time.monotonic() - stop_began
-        shutil.rmtree(launched.work_dir, ignore_errors=True)
-    check_clean_exit(log_file, exit_s)
+    except BaseException:
+        _stop(launched)
+        raise
+    if stops is None:
+        check_clean_exit(log_file, _stop(launched))
+    else:
+        stops.start(lambda: clean_exit_warning(log_file, _stop(launched)))
+
+
+def _stop(launched: launch_triton_server.Launched) -> float:
+    """Stop the server; the seconds it took."""
+    stop_began = time.monotonic()
+    launch_triton_server.stop(launched.process)
+    exit_s = time.monotonic() - stop_began
+    shutil.rmtree(launched.work_dir, ignore_errors=True)
+    return exit_s
+
+
+class BackgroundStops:
+    """Servers stopped on threads of their own (`running_server(..., stops=...)`), so the tests
+    after them go on meanwhile: a clean stop spends 2-3 s mostly waiting for Triton's
+    once-a-second unload polls, and the known ensemble stall (`check_clean_exit`) its whole
+    exit timeout. `join` waits for every stop, issues their warnings and raises the first
+    failure."""
+
+    def __init__(self):
+        self._threads: list[threading.Thread] = []
+        self._outcomes: list[str | BaseException] = []  # a warning's text, or what a stop raised
+
+    def start(self, stop) -> None:
+        """Run `stop()` (it returns a warning's text or None, or raises) on a thread."""
+        def run():
+            try:
+                message = stop()
+            except BaseException as exc:  # noqa: BLE001 - kept for `join`, which raises it
+                self._outcomes.append(exc)
+            else:
+                if message:
+                    self._outcomes.append(message)
+
+        thread = threading.Thread(target=run, name="server-stop")
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        outcomes, self._outcomes = self._outcomes, []
+        for message in outcomes:
+            if isinstance(message, str):
+                warnings.warn(message)
+        failures = [exc for exc in outcomes if isinstance(exc, BaseException)]
+        if failures:
+            raise failures[0]
 
 
 def check_clean_exit(log_file: Path, exit_s: float) -> None:
     """Fail unless the server stopped on its own: no request left in flight, every model
-    unloaded, within TEST_EXIT_TIMEOUT_S."""
+    unloaded, within TEST_EXIT_TIMEOUT_S (a warning for the known stall: `clean_exit_warning`)."""
+    message = clean_exit_warning(log_file, exit_s)
+    if message:
+        warnings.warn(message)
+
+
+def clean_exit_warning(log_file: Path, exit_s: float) -> str | None:
+    """`check_clean_exit`'s verdict: raise AssertionError for an unclean stop; the text of a
+    warning for the known stall; None for a clean stop."""
     log = log_file.read_text(errors="replace")
     # At shutdown Triton polls the requests in flight once a second: none may be left behind.
     # One that ends within the first poll (its reply already sent, Triton's count a moment
@@ -273,9 +333,9 @@ def check_clean_exit(log_file: Path, exit_s: float) -> None:
         # timeout; after a drain that ended requests with an error, tensorrt_llm (and
         # postprocessing) may stay with it. It holds up the exit, never a request; warn rather
         # than fail CI.
-        warnings.warn(f"{', '.join(stuck)} stayed loaded at shutdown with no request in flight "
-                      f"(tritonserver stopped in {exit_s:.1f} s); see {log_file}")
-        return
+        return (f"{', '.join(stuck)} stayed loaded at shutdown with no request in flight "
+                f"(tritonserver stopped in {exit_s:.1f} s); see {log_file}")
     if stuck or exit_s >= TEST_EXIT_TIMEOUT_S:
         raise AssertionError(f"tritonserver took {exit_s:.1f} s to stop (bound {TEST_EXIT_TIMEOUT_S} s) "
                              f"and {stuck or 'no model'} stayed loaded; see {log_file}")
+    return None

@@ -48,9 +48,10 @@ def adapters(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_server(smollm2_dir, adapters, tmp_path_factory):
+def lora_server(smollm2_dir, adapters, tmp_path_factory, server_stops):
     modules = " ".join(f"{name}={folder}" for name, (folder, _) in adapters.items())
-    with running_server(smollm2_dir, tmp_path_factory.mktemp("lora_server"), lora_modules=modules) as handle:
+    with running_server(smollm2_dir, tmp_path_factory.mktemp("lora_server"), lora_modules=modules,
+                        stops=server_stops) as handle:
         yield handle
 
 

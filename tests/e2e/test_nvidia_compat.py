@@ -32,11 +32,11 @@ END_DEADLINE_S = 30
 
 
 @pytest.fixture(scope="module")
-def plain_server(smollm2_dir, tmp_path_factory):
+def plain_server(smollm2_dir, tmp_path_factory, server_stops):
     """NVIDIA's `decoupled_mode: false` set-up, where the scripts use plain infer calls."""
     # Guided decoding off, as NVIDIA's default (its tests run on the session's server).
     with running_server(smollm2_dir, tmp_path_factory.mktemp("plain_server"),
-                        decoupled_mode="false", guided_decoding_backend="") as handle:
+                        decoupled_mode="false", guided_decoding_backend="", stops=server_stops) as handle:
         yield handle
 
 

@@ -176,7 +176,8 @@ def test_a_crashed_tritonserver_under_serve_comes_back_and_answers_the_same(repo
     serve = Child([sys.executable, str(SERVE), "--openai_port", str(openai_port), "--model_repo", str(repository),
                    "--http_port", str(http_port), "--grpc_port", str(grpc_port), "--metrics_port", str(metrics_port),
                    "--log-file", str(server.log_file), "--shm_prefix", f"inflighttest{http_port}_",
-                   "--exit_timeout", "3"])
+                   "--exit_timeout", "3",
+                   "--restart_backoff_s", "0"])  # the back-off is the fake's test; here it cost 1 s + 2 s
 
     def answers() -> tuple[str, str]:
         body = {"model": "ensemble", "prompt": "Count: 1, 2, 3,", "max_tokens": 8, "temperature": 0}

@@ -25,14 +25,15 @@ GOOD = {"text_input": "What is the capital of France?", "max_tokens": 16, "strea
 
 
 @pytest.fixture(scope="module")
-def small_server(smollm2_dir, tmp_path_factory):
+def small_server(smollm2_dir, tmp_path_factory, server_stops):
     """Not decoupled, 2 sequences in flight, at most 2 waiting, small request limits; a step
     whose prompt holds STEP_FAULT_TOKEN raises, one holding FATAL_FAULT_TOKEN stops the engine."""
     env = {"INFLIGHT_TEST_FAULT": f"step:{STEP_FAULT_TOKEN},fatal:{FATAL_FAULT_TOKEN}"}
     with running_server(smollm2_dir, tmp_path_factory.mktemp("small_server"), env=env,
                         decoupled_mode="false", max_queue_size=2, max_num_sequences=2,
                         max_input_len=64, max_output_len=32,
-                        guided_decoding_backend="") as handle:  # not needed here: load faster
+                        guided_decoding_backend="",  # not needed here: load faster
+                        stops=server_stops) as handle:
         yield handle
 
 

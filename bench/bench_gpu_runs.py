@@ -279,10 +279,11 @@ def roofline_tok_s(batch: int, mean_context: float, weight_bytes: int, kv_bytes_
 
 
 def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
-                   num_steps: int = 8, top: int = 0) -> dict:
+                   num_steps: int = 8, top: int = 0, trace_path: Path | None = None) -> dict:
     """Kernels per decode step and GPU busy time vs wall time, from torch.profiler over
     `num_steps` steady decode steps of `batch` rows; with `top`, also `top_kernels`: the
-    `top` kernels by GPU time (name, us and launches per step, % of the busy time)."""
+    `top` kernels by GPU time (name, us and launches per step, % of the busy time); with
+    `trace_path`, the profile as a Chrome trace there."""
     prompts = random_prompts(batch, prompt_len, vocab, seed=99)
     ids = [engine.add_request(Request(p, num_steps + 24)) for p in prompts]
     for _ in range(12):  # prefill, then a few decode steps (graphs and caches warm)
@@ -291,14 +292,15 @@ def profile_decode(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
     def steps():
         for _ in range(num_steps):
             engine.step()
-    summary = profile_steps(steps, num_steps, engine.worker.device, top)
+    summary = profile_steps(steps, num_steps, engine.worker.device, top, trace_path)
     cancel_all(engine, ids)
     return dict(batch=batch, **summary)
 
 
-def profile_steps(run, num_steps: int, device: torch.device, top: int = 0) -> dict:
+def profile_steps(run, num_steps: int, device: torch.device, top: int = 0,
+                  trace_path: Path | None = None) -> dict:
     """`kernel_summary` of `run()`, which runs `num_steps` engine steps, under torch.profiler
-    (the device synced before and after)."""
+    (the device synced before and after); with `trace_path`, the Chrome trace written there."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
@@ -307,6 +309,8 @@ def profile_steps(run, num_steps: int, device: torch.device, top: int = 0) -> di
         run()
         sync(device)
         wall = time.perf_counter() - start
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
     return kernel_summary(prof, num_steps, wall, top)
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from bench_gpu_runs import SHAPES, random_prompts, run_engine
+from bench_gpu_runs import SHAPES, profile_decode, random_prompts, run_engine
 
 from ensemble.errors import ConfigError
 from inflight.api.config import (ExecutorConfig, ExtendedRuntimePerfKnobConfig, KvCacheConfig, NgramConfig,
@@ -240,15 +240,21 @@ def check(num_gpus: int, tp: int, out: dict, graph_modes=(None, False), lora: bo
     return ok
 
 
-def bench(num_gpus: int, tp: int, out: dict) -> None:
+def bench(num_gpus: int, tp: int, out: dict, profile_dir: Path | None = None,
+          sizes: tuple[int, ...] = ()) -> None:
+    """tp=1 and tp=`tp` (or `sizes`); with `profile_dir`, each also profiled at batch 1 and 64
+    (torch.profiler on rank 0: top kernels per step in the results, Chrome traces there)."""
     shape = SHAPES[BENCH_SHAPE]
     log(f"\n== bench: {BENCH_SHAPE} shape, bf16 random weights, tp=1 vs tp={tp}")
     start = time.perf_counter()
-    folder = write_checkpoint(shape, torch.bfloat16, 0.02, Path(tempfile.mkdtemp(prefix="tp-8b-")))
-    log(f"  checkpoint written in {time.perf_counter() - start:.0f} s")
+    # Written once per machine (the same seed gives the same weights): a second run reuses it.
+    folder = Path(tempfile.gettempdir()) / f"tp-bench-{BENCH_SHAPE}"
+    if not (folder / "model.safetensors.index.json").exists():
+        write_checkpoint(shape, torch.bfloat16, 0.02, folder)
+        log(f"  checkpoint written in {time.perf_counter() - start:.0f} s")
     vocab = shape["vocab_size"]
     results = out.setdefault("bench", {})
-    for tp_size in ([1, tp] if num_gpus >= tp else [1]):
+    for tp_size in sizes or ([1, tp] if num_gpus >= tp else [1]):
         start = time.perf_counter()
         eng = engine(folder, tp_size, "bfloat16", 64, 1024)
         row = {"startup_s": round(time.perf_counter() - start, 1), "kv_blocks": eng.worker.num_blocks}
@@ -261,13 +267,25 @@ def bench(num_gpus: int, tp: int, out: dict) -> None:
             row["timed_out"] = b1.timed_out or b64.timed_out
             row.update(batch1_step_ms=round(b1.decode_step_ms, 3), batch1_tok_s=round(b1.decode_tok_s, 1),
                        batch64_step_ms=round(b64.decode_step_ms, 3), batch64_tok_s=round(b64.decode_tok_s, 1))
+            if profile_dir is not None:
+                profile_dir.mkdir(parents=True, exist_ok=True)
+                for batch in (1, 64):
+                    prof = profile_decode(eng, batch, 128, vocab, num_steps=16, top=25,
+                                          trace_path=profile_dir / f"tp{tp_size}_b{batch}.json")
+                    row[f"profile_b{batch}"] = prof
+                    busy, wall = prof["gpu_busy_ms_per_step"], prof["wall_ms_per_step"]
+                    log(f"  tp={tp_size} B={batch}: {prof['kernels_per_step']:.0f} kernels per step, "
+                        f"GPU busy {busy:.3f} of {wall:.3f} ms wall")
+                    for k in prof["top_kernels"]:
+                        log(f"    {k['us_per_step']:8.1f} us {k['launches_per_step']:5.1f} x "
+                            f"{k['share_pct']:5.1f}%  {k['name'][:100]}")
             results[f"tp{tp_size}"] = row
             log(f"  tp={tp_size}: {json.dumps(row)}")
         finally:
             close(eng, tp_size)
             del eng  # before the next engine sizes its KV cache from the free memory
             free_memory()
-    if f"tp{tp}" in results and tp > 1:
+    if f"tp{tp}" in results and "tp1" in results and tp > 1:
         one, many = results["tp1"], results[f"tp{tp}"]
         results["ratios"] = {
             "batch1_latency_speedup": round(one["batch1_step_ms"] / many["batch1_step_ms"], 2),
@@ -287,6 +305,10 @@ def main() -> int:
                         help="the check with tp=N verifying drafts (speculative decoding)")
     parser.add_argument("--lora", action="store_true",
                         help="the check with two LoRA adapters and the base model in each batch")
+    parser.add_argument("--profile", action="store_true",
+                        help="the benchmark also profiles each engine at batch 1 and 64 (traces under --out)")
+    parser.add_argument("--sizes", type=int, nargs="*", default=(),
+                        help="the tensor-parallel sizes benchmarked (default: 1 and --tp)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp"))
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="tiny shapes on the CPU with gloo ranks: the script's code paths, no numbers")
@@ -321,7 +343,8 @@ def main() -> int:
             modes = {"auto": (None,), "off": (False,), "both": (None, False)}[args.check_graphs]
             ok = check(num_gpus, args.tp, out, modes, args.lora, args.drafts)
         if not args.check:
-            bench(num_gpus, args.tp, out)
+            bench(num_gpus, args.tp, out, Path(args.out) / "profile" if args.profile else None,
+                  tuple(args.sizes))
     finally:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_tp.json").write_text(json.dumps(out, indent=1))

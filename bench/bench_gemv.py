@@ -39,6 +39,9 @@ SHAPES = {  # name: (N, K) of W [N, K]
     "1B qkv": (3072, 2048), "1B o": (2048, 2048), "1B gate_up": (16384, 2048), "1B down": (2048, 8192),
     "1B lm_head": (128256, 2048),
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336),
+    # One of two tensor-parallel ranks' shards of the 8B (q/k/v and gate/up split by rows, o and
+    # down by columns).
+    "8B/2 qkv": (3072, 4096), "8B/2 o": (4096, 2048), "8B/2 gate_up": (14336, 4096), "8B/2 down": (4096, 7168),
 }
 CPU_SHAPES = {"tiny qkv": (48, 320), "tiny down": (40, 1024)}  # --device cpu (the interpreter)
 SWEEP_SHAPES = ("1B qkv", "1B o", "1B down", "8B qkv", "8B o", "8B down")

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from inflight.kernels._common import check_float, check_last_dim_contiguous, next_pow2, tl, triton
+from inflight.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    tl,
+    triton,
+)
 import inflight.kernels.fp8 as fp8_kernels
 from inflight.kernels.fp8 import _e4m3_bits, _row_scale, fp8_outputs
 
@@ -34,7 +42,9 @@ def _silu_mul(x_ptr, row, stride_x, inter_size, cols, mask):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -93,7 +103,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if num_tokens == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, BLOCK))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter_size, BLOCK=BLOCK, num_warps=4)
+        gate_up, out, gate_up.stride(0), out.stride(0), inter_size, BLOCK=BLOCK, num_warps=4,
+        **pdl_options(gate_up.device))
     return out
 
 

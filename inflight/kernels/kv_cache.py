@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from inflight.kernels._common import FLOAT_DTYPES, check_float, check_last_dim_contiguous, next_pow2, tl, triton
+from inflight.kernels._common import (
+    FLOAT_DTYPES,
+    check_float,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    tl,
+    triton,
+)
 from inflight.kernels.fp8 import _e4m3_bits
 
 KV_FP8 = torch.float8_e4m3fn
@@ -53,7 +62,8 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_plane, stride_block, stride_tok, stride_head,
                      num_kv_heads, head_dim, k_scale, v_scale,
                      BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -104,4 +114,4 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, head_dim, float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, HEADS_PAD=heads_pad, DIM_PAD=dim_pad, FP8=fp8,
-        num_warps=max(1, min(8, heads_pad * dim_pad // 256)))
+        num_warps=max(1, min(8, heads_pad * dim_pad // 256)), **pdl_options(k.device))

@@ -22,6 +22,8 @@ from inflight.kernels._common import (
     check_last_dim_contiguous,
     next_pow2,
     num_warps_for,
+    pdl_options,
+    pdl_wait,
     tl,
     triton,
 )
@@ -53,7 +55,8 @@ def _add_and_normalize(x_ptr, residual_ptr, weight_ptr, row, stride_x, stride_r,
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o,
-                     hidden_size, eps, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                     hidden_size, eps, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols, mask, y = _add_and_normalize(x_ptr, residual_ptr, weight_ptr, row, stride_x, stride_r,
                                        hidden_size, eps, BLOCK, ADD_RESIDUAL)
@@ -90,7 +93,7 @@ def _launch(x2, res2, weight, out2, eps, add_residual):
     block = next_pow2(hidden_size)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), hidden_size, eps,
-        BLOCK=block, ADD_RESIDUAL=add_residual, num_warps=num_warps_for(block))
+        BLOCK=block, ADD_RESIDUAL=add_residual, num_warps=num_warps_for(block), **pdl_options(x2.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -38,6 +38,8 @@ from inflight.kernels._common import (
     check_last_dim_contiguous,
     dot_precision,
     next_pow2,
+    pdl_options,
+    pdl_wait,
     tl,
     triton,
 )
@@ -70,7 +72,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                    stride_ob, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                   PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                   PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -126,7 +129,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
 
 @triton.jit(do_not_specialize=["num_partitions"])
 def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_partitions, stride_ob, stride_oh,
-                   HEAD_DIM: tl.constexpr, PART_PAD: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, PART_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     parts = tl.arange(0, PART_PAD)
@@ -234,11 +238,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE=single, PRECISION=dot_precision(q.dtype),
-        KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages)
+        KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
     if not single:
         _reduce_kernel[(num_seqs, num_q_heads)](
             part_out, part_lse, out, num_partitions, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, PART_PAD=next_pow2(num_partitions), num_warps=4)
+            HEAD_DIM=head_dim, PART_PAD=next_pow2(num_partitions), num_warps=4, **pdl_options(q.device))
     return out
 
 

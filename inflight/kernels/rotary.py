@@ -21,7 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from inflight.kernels._common import check_float, check_last_dim_contiguous, next_pow2, tl, triton
+from inflight.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    tl,
+    triton,
+)
 
 
 @triton.jit
@@ -42,7 +50,8 @@ def _rotate_heads(x_ptr, stride_h, num_heads, c1, c2, s1, s2, half,
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, stride_cos, stride_sin, num_q_heads, num_kv_heads, half,
-                   HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+                   HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
@@ -85,5 +94,5 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), num_q_heads, num_kv_heads, half,
         HQ_PAD=hq_pad, HK_PAD=next_pow2(num_kv_heads), HALF_PAD=half_pad,
-        num_warps=max(1, min(8, hq_pad * half_pad // 512)))
+        num_warps=max(1, min(8, hq_pad * half_pad // 512)), **pdl_options(q.device))
     return q, k

@@ -2,9 +2,9 @@
 
 Two places run it, so it lives below both: the `preprocessing` model (NVIDIA's step of the
 ensemble, and the BLS model's), and the `tensorrt_llm` model itself, when the ensemble sends it
-the text directly (`DirectText`; `tools/build_repository.py --tokenize_in tensorrt_llm`, the
-default). The direct path saves a first token the hop through a second Python stub: ~2.5 ms of
-preprocessing's execute at concurrency 1 on an H100 host (docs/performance.md).
+the text directly (`DirectText`; `tools/build_repository.py --tokenize_in tensorrt_llm`). The
+direct path saves a first token the hop through a second Python stub at low load (0.9 ms at
+concurrency 1 on an H100 host; docs/performance.md).
 
 `find(name)` gives the request's input of that PREPROCESSING name as a numpy array, or None.
 """

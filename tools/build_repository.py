@@ -12,8 +12,10 @@ checked against the model and converted into `tensorrt_llm/1/lora/<task id>/` (t
 ... in the order given; NVIDIA's prefetch layout), which becomes `lora_prefetch_dir`, and
 `lora_modules.json` there maps each name to its task id for the OpenAI frontend.
 
-`--tokenize_in tensorrt_llm` (the default) wires the ensemble's text straight to the engine
-model, which tokenizes it itself; `preprocessing` keeps NVIDIA's three steps (the templates').
+`--tokenize_in preprocessing` (the default) keeps NVIDIA's three ensemble steps (the
+templates'); `tensorrt_llm` wires the ensemble's text straight to the engine model, which
+tokenizes it itself: a first token at low load skips a Python hop, but under heavy streaming
+load the tokenizing competes with that model's response thread (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -152,11 +154,13 @@ DEFAULTS = {
     # the BLS model's num_draft_tokens; its share of the free GPU memory for its KV cache.
     "draft_model": "",
     "draft_kv_cache_free_gpu_mem_fraction": "0.1",
-    # Ours: which model of the ensemble tokenizes. tensorrt_llm: the ensemble sends it the text
-    # (two steps; a first token skips a hop through a second Python stub, ~2.5 ms at
-    # concurrency 1 on an H100 host); preprocessing: NVIDIA's three steps. Either way the
+    # Ours: which model of the ensemble tokenizes. preprocessing: NVIDIA's three steps.
+    # tensorrt_llm: the ensemble sends it the text (two steps). Measured on an H100 host
+    # (docs/performance.md, 2026-11-28): a first token 0.9 ms sooner at concurrency 1, but at
+    # 256 streams its time to first token +34 ms and 5 % fewer tokens/s, the tokenizing
+    # waiting for the interpreter lock that the model's response thread holds. Either way the
     # ensemble's tensors, and every model called alone, are NVIDIA's.
-    "tokenize_in": "tensorrt_llm",
+    "tokenize_in": "preprocessing",
 }
 TOKENIZE_IN = ("tensorrt_llm", "preprocessing")
 
@@ -174,7 +178,7 @@ class BuildError(RuntimeError):
 
 
 def check_values(values: dict[str, str]) -> None:
-    if values.get("tokenize_in", "tensorrt_llm") not in TOKENIZE_IN:
+    if values.get("tokenize_in", "preprocessing") not in TOKENIZE_IN:
         raise BuildError(f"tokenize_in must be {' or '.join(TOKENIZE_IN)}, got '{values['tokenize_in']}'")
     for key, choices in DTYPE_CHOICES.items():
         if values.get(key) not in choices:
@@ -222,7 +226,7 @@ def build(out: Path, values: dict[str, str], force: bool = False) -> Path:
     for model in MODELS:
         path = out / model / "config.pbtxt"
         text = path.read_text()
-        if model == "ensemble" and values.get("tokenize_in", "tensorrt_llm") == "tensorrt_llm":
+        if model == "ensemble" and values.get("tokenize_in", "preprocessing") == "tensorrt_llm":
             text = render(text, model, direct=True)
         text = fill(text, values, strict=False)
         left = sorted(set(PLACEHOLDER.findall(text)))

@@ -38,9 +38,11 @@ def server_stops():
 @pytest.fixture(scope="package")
 def server(smollm2_dir, tmp_path_factory, server_stops):
     """The default model behind the full ensemble, served by a real tritonserver; the model itself
-    also serves as the BLS model's draft model (`--draft_model`, tests/e2e/test_speculative.py)."""
+    also serves as the BLS model's draft model (`--draft_model`, tests/e2e/test_speculative.py).
+    Its ensemble takes the direct path (`--tokenize_in tensorrt_llm`), so the tier's tests cover
+    it; the other servers keep the default three steps."""
     with running_server(smollm2_dir, tmp_path_factory.mktemp("smollm2_server"),
-                        draft_model=smollm2_dir, stops=server_stops) as handle:
+                        draft_model=smollm2_dir, tokenize_in="tensorrt_llm", stops=server_stops) as handle:
         yield handle
 
 

@@ -27,7 +27,7 @@ from inflight.core.beam_search import BeamRow, BeamSearch, Candidates, Hypothesi
 from inflight.core.block_manager import BlockManager
 from inflight.core.sequence import Sequence, SequenceStatus
 from inflight.engine.request_state import RequestState
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 
 @dataclass(eq=False)

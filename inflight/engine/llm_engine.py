@@ -55,7 +55,7 @@ from inflight.platform import default_max_num_tokens
 from inflight.runner.ranks import start_worker
 from inflight.runner.step_inputs import PromptLogProbs, StepOrder
 from inflight.runner.worker import Worker
-from inflight.sampling.sampler import DeviceSample, SamplerOutput
+from inflight.sampling.outputs import DeviceSample, SamplerOutput
 
 logger = logging.getLogger(__name__)
 

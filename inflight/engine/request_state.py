@@ -22,7 +22,7 @@ import torch
 from inflight.api.types import FinishReason, Request, Response, Result
 from inflight.core.sequence import Sequence
 from inflight.engine.request_outputs import RequestOutputs
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 PLACEHOLDER_BASE = -1  # placeholder for sampled row i: PLACEHOLDER_BASE - i (the worker's contract)
 

@@ -22,7 +22,7 @@ from inflight.engine.live_requests import LiveRequests
 from inflight.engine.request_state import RequestState
 from inflight.engine.speculation import Speculation
 from inflight.fatal_errors import as_fatal, breaks_device
-from inflight.sampling.sampler import INVALID_TOKEN, DeviceSample, SamplerOutput
+from inflight.sampling.outputs import INVALID_TOKEN, DeviceSample, SamplerOutput
 from inflight.sampling.token_mask import GuideViolation
 
 logger = logging.getLogger("inflight.engine.llm_engine")  # a step's failures are logged as the engine's

@@ -20,7 +20,7 @@ from inflight.core.sequence import Sequence
 from inflight.intmath import cdiv
 from inflight.model.config import ModelConfig
 from inflight.platform import cuda_memory_for_kv
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
 from inflight.intmath import cdiv
 from inflight.runner.step_inputs import StepOrder
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 logger = logging.getLogger(__name__)
 

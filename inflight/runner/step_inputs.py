@@ -27,7 +27,7 @@ from inflight.distributed.step_plan import StepPlan
 from inflight.model.attention import StepMetadata
 from inflight.platform import to_device
 from inflight.runner.cuda_graph import CudaGraphRunner, GraphStep, MixedStep
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 # (request_id, token_ids so far, logits [vocab]) -> logits [vocab]
 LogitsHook = Callable[[int, list[int], torch.Tensor], torch.Tensor]

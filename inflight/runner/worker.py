@@ -59,7 +59,8 @@ from inflight.runner.kv_cache_sizing import num_kv_blocks, peak_step_bytes, warm
 from inflight.runner.mixed_graph import mixed_token_buckets
 from inflight.runner.precompile import precompile
 from inflight.runner.step_inputs import StepInput, StepOrder, prepare_inputs
-from inflight.sampling.sampler import DeviceSample, Sampler, apply_logits_hooks, reduce_prompt_logits
+from inflight.sampling.outputs import DeviceSample
+from inflight.sampling.sampler import Sampler, apply_logits_hooks, reduce_prompt_logits
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from inflight.api.config import ExecutorConfig
 from inflight.api.types import GuidedDecodingParams
 from inflight.engine.llm_engine import LLMEngine
 from inflight.sampling.grammar import GrammarCompiler
-from inflight.sampling.sampler import Sampler, SamplingRow
+from inflight.sampling.row import SamplingRow
+from inflight.sampling.sampler import Sampler
 from tools.checkpoints import save_tiny_checkpoint
 from tests.model.engine_utils import DEFAULT_KV, gen_request, output_tokens, run
 from tests.model.guided_vocab import EOS, GUIDES, char_vocab, detokenize, guided_config

@@ -16,7 +16,8 @@ import torch
 from inflight.api.config import ExecutorConfig
 from inflight.model.config import ModelConfig
 from inflight.runner.step_inputs import StepOrder
-from inflight.sampling.sampler import Sampler, SamplerOutput, apply_logits_hooks, reduce_prompt_logits
+from inflight.sampling.outputs import SamplerOutput
+from inflight.sampling.sampler import Sampler, apply_logits_hooks, reduce_prompt_logits
 
 VOCAB = 512
 EOS = 2

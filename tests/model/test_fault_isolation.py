@@ -17,7 +17,7 @@ from inflight.api.config import ExecutorConfig
 from inflight.api.types import Request
 from inflight.engine.llm_engine import LLMEngine
 from inflight.fatal_errors import EngineFatalError, breaks_device
-from inflight.sampling.sampler import SamplerOutput
+from inflight.sampling.outputs import SamplerOutput
 from tests.model.engine_utils import DEFAULT_KV, gen_request, output_tokens, run
 from tests.model.fake_worker import VOCAB, FakeWorker
 

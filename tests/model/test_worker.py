@@ -10,7 +10,7 @@ from inflight.core.outputs import ScheduledSequence, SchedulerOutput
 from inflight.core.sequence import Sequence
 from inflight.runner.step_inputs import StepOrder
 from inflight.runner.worker import Worker
-from inflight.sampling.sampler import SamplingRow
+from inflight.sampling.row import SamplingRow
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,7 @@
 
 One module per kernel family, each documenting the tensor layout it expects:
 
-    kv_cache           store_kv_cache(k, v, kv_cache, slot_mapping), rotary_store_kv_cache(q, k, v,
-                       positions, cos, sin, kv_cache, slot_mapping): RoPE and the store in one launch
+    kv_cache           store_kv_cache(k, v, kv_cache, slot_mapping)
     paged_attention    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, ...),
                        choose_num_partitions(...), DecodeWorkspace
     prefill_attention  paged_prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens,
@@ -36,7 +35,6 @@ from typing import Any
 
 _EXPORTS = {
     "store_kv_cache": "kv_cache",
-    "rotary_store_kv_cache": "kv_cache",
     "paged_decode_attention": "paged_attention",
     "choose_num_partitions": "paged_attention",
     "DecodeWorkspace": "paged_attention",

@@ -10,11 +10,6 @@ Layouts (one cache tensor per layer, the project's layout):
 One program per token copies its Hkv x D K row and V row (2 x 2 KiB for bf16 at 8 heads x 128),
 casting to the cache dtype. No host sync and no allocation: safe to capture in a CUDA graph.
 
-`rotary_store_kv_cache` is `inflight.kernels.rotary.apply_rotary` and then `store_kv_cache` in
-one launch (the Triton attention backend's per-layer call): each program rotates its token's q
-heads in place and its k heads, which it writes back and stores with v, bit for bit what the two
-launches give. A decode step saves one launch per layer (~1-2 us each at batch 1).
-
 An FP8 cache (`torch.float8_e4m3fn`, `kv_cache_dtype: fp8`) holds K / k_scale and V / v_scale
 in e4m3, rounded as `inflight.model.quantization.fp8.to_fp8` rounds (bit for bit); the
 attention kernels read it in place and fold the scales into the softmax scale and the output.
@@ -36,7 +31,6 @@ from inflight.kernels._common import (
     triton,
 )
 from inflight.kernels.fp8 import _e4m3_bits
-from inflight.kernels.rotary import _cos_sin, _rotate_heads, check_rotary
 
 KV_FP8 = torch.float8_e4m3fn
 
@@ -60,15 +54,6 @@ def _kv_tile(ptrs, valid, FP8: tl.constexpr):
     return tile
 
 
-@triton.jit
-def _store_tile(dst, values, mask, scale, FP8: tl.constexpr):
-    """values (any float dtype) into the cache at dst: cast to its dtype, or e4m3 bits / scale."""
-    if FP8:
-        tl.store(dst, _e4m3_bits(values.to(tl.float32), scale), mask=mask)
-    else:
-        tl.store(dst, values.to(dst.dtype.element_ty), mask=mask)
-
-
 # slot_mapping is a slice of the step's metadata (read one scalar per program): its
 # alignment is not specialized on, so no batch shape compiles a new variant.
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
@@ -88,45 +73,23 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
     safe_slot = tl.maximum(slot, 0)
     dst = ((safe_slot // BLOCK_SIZE) * stride_block + (safe_slot % BLOCK_SIZE) * stride_tok
            + heads[:, None] * stride_head + dims[None, :])
+    elem = cache_ptr.dtype.element_ty
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    _store_tile(cache_ptr + dst, k, mask, k_scale, FP8)
-    _store_tile(cache_ptr + stride_plane + dst, v, mask, v_scale, FP8)
+    if FP8:
+        tl.store(cache_ptr + dst, _e4m3_bits(k.to(tl.float32), k_scale), mask=mask)
+        tl.store(cache_ptr + stride_plane + dst, _e4m3_bits(v.to(tl.float32), v_scale), mask=mask)
+    else:
+        tl.store(cache_ptr + dst, k.to(elem), mask=mask)
+        tl.store(cache_ptr + stride_plane + dst, v.to(elem), mask=mask)
 
 
-# One program per token, as _rotary_kernel and _store_kv_kernel: q rotated in place, k rotated,
-# written back and stored, v stored; padded rows (slot -1) are rotated but not stored.
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
-def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cos, stride_sin, stride_plane, stride_block, stride_tok, stride_head,
-                         num_q_heads, num_kv_heads, half, k_scale, v_scale,
-                         BLOCK_SIZE: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                         HALF_PAD: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    c1, c2, s1, s2 = _cos_sin(pos_ptr, token, cos_ptr, sin_ptr, stride_cos, stride_sin, half, HALF_PAD)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2, half,
-                  HQ_PAD, HALF_PAD)
-    k1, k2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, c1, c2, s1, s2, half,
-                           HK_PAD, HALF_PAD)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    heads = tl.arange(0, HK_PAD)
-    j = tl.arange(0, HALF_PAD)
-    mask = (heads[:, None] < num_kv_heads) & (j[None, :] < half) & (slot >= 0)
-    safe_slot = tl.maximum(slot, 0)  # a padded row's slot still needs a harmless address
-    base = (safe_slot // BLOCK_SIZE) * stride_block + (safe_slot % BLOCK_SIZE) * stride_tok
-    rows = base + heads[:, None] * stride_head + j[None, :]  # the first half of each head's dims
-    _store_tile(cache_ptr + rows, k1, mask, k_scale, FP8)
-    _store_tile(cache_ptr + rows + half, k2, mask, k_scale, FP8)
-    v_rows = v_ptr + token * stride_vt + heads[:, None] * stride_vh + j[None, :]
-    _store_tile(cache_ptr + stride_plane + rows, tl.load(v_rows, mask=mask), mask, v_scale, FP8)
-    _store_tile(cache_ptr + stride_plane + rows + half, tl.load(v_rows + half, mask=mask), mask, v_scale, FP8)
-
-
-def _check_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """`store_kv_cache`'s argument checks (metadata only)."""
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Writes k, v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at
+    slot_mapping [T]; negative slots are skipped. Slots must be < num_blocks * block_size
+    (not checked: that would need a host sync). An FP8 cache stores k / k_scale and
+    v / v_scale; the scales are unused otherwise."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -140,16 +103,6 @@ def _check_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         check_float(name, t)
         check_last_dim_contiguous(name, t)
     check_last_dim_contiguous("kv_cache", kv_cache)
-
-
-def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Writes k, v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at
-    slot_mapping [T]; negative slots are skipped. Slots must be < num_blocks * block_size
-    (not checked: that would need a host sync). An FP8 cache stores k / k_scale and
-    v / v_scale; the scales are unused otherwise."""
-    _check_store(k, v, kv_cache, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
     cache, fp8 = cache_bits(kv_cache)
     if num_tokens == 0:
         return
@@ -162,27 +115,3 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         num_kv_heads, head_dim, float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, HEADS_PAD=heads_pad, DIM_PAD=dim_pad, FP8=fp8,
         num_warps=max(1, min(8, heads_pad * dim_pad // 256)), **pdl_options(k.device))
-
-
-def rotary_store_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                          cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """`apply_rotary(q, k, positions, cos, sin)` then `store_kv_cache(k, v, kv_cache,
-    slot_mapping, k_scale, v_scale)`, in one launch, with the same results: q and k rotated in
-    place, the rotated k and v stored. Layouts and limits as theirs."""
-    check_rotary(q, k, positions, cos, sin)
-    _check_store(k, v, kv_cache, slot_mapping)
-    num_tokens, num_q_heads, head_dim = q.shape
-    cache, fp8 = cache_bits(kv_cache)
-    if num_tokens == 0:
-        return
-    num_kv_heads, half = k.shape[1], head_dim // 2
-    hq_pad, half_pad = next_pow2(num_q_heads), next_pow2(half)
-    _rotary_store_kernel[(num_tokens,)](
-        q, k, v, positions, cos, sin, cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), sin.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_q_heads, num_kv_heads, half, float(k_scale), float(v_scale),
-        BLOCK_SIZE=kv_cache.shape[2], HQ_PAD=hq_pad, HK_PAD=next_pow2(num_kv_heads), HALF_PAD=half_pad,
-        FP8=fp8, num_warps=max(1, min(8, hq_pad * half_pad // 512)), **pdl_options(q.device))

@@ -33,23 +33,8 @@ from inflight.kernels._common import (
 
 
 @triton.jit
-def _cos_sin(pos_ptr, token, cos_ptr, sin_ptr, stride_cos, stride_sin, half, HALF_PAD: tl.constexpr):
-    """Both halves of the cos and sin rows of `token`'s position: (c1, c2, s1, s2) [HALF_PAD]."""
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    j = tl.arange(0, HALF_PAD)
-    jm = j < half
-    c1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jm, other=0.0)
-    c2 = tl.load(cos_ptr + pos * stride_cos + half + j, mask=jm, other=0.0)
-    s1 = tl.load(sin_ptr + pos * stride_sin + j, mask=jm, other=0.0)
-    s2 = tl.load(sin_ptr + pos * stride_sin + half + j, mask=jm, other=0.0)
-    return c1, c2, s1, s2
-
-
-@triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, c1, c2, s1, s2, half,
                   HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Rotates one token's heads in place; returns the rotated halves as stored [HEADS_PAD,
-    HALF_PAD] (x's dtype)."""
     heads = tl.arange(0, HEADS_PAD)
     j = tl.arange(0, HALF_PAD)
     mask = (heads[:, None] < num_heads) & (j[None, :] < half)
@@ -57,11 +42,8 @@ def _rotate_heads(x_ptr, stride_h, num_heads, c1, c2, s1, s2, half,
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + half, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    r1 = (x1f * c1[None, :] - x2f * s1[None, :]).to(x1.dtype)
-    r2 = (x2f * c2[None, :] + x1f * s2[None, :]).to(x1.dtype)
-    tl.store(first, r1, mask=mask)
-    tl.store(first + half, r2, mask=mask)
-    return r1, r2
+    tl.store(first, (x1f * c1[None, :] - x2f * s1[None, :]).to(x1.dtype), mask=mask)
+    tl.store(first + half, (x2f * c2[None, :] + x1f * s2[None, :]).to(x1.dtype), mask=mask)
 
 
 # positions is a slice of the step's metadata (one scalar per program): see kv_cache.
@@ -71,17 +53,23 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh
                    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
-    c1, c2, s1, s2 = _cos_sin(pos_ptr, token, cos_ptr, sin_ptr, stride_cos, stride_sin, half, HALF_PAD)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    jm = j < half
+    c1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jm, other=0.0)
+    c2 = tl.load(cos_ptr + pos * stride_cos + half + j, mask=jm, other=0.0)
+    s1 = tl.load(sin_ptr + pos * stride_sin + j, mask=jm, other=0.0)
+    s2 = tl.load(sin_ptr + pos * stride_sin + half + j, mask=jm, other=0.0)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, c1, c2, s1, s2, half,
                   HQ_PAD, HALF_PAD)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, c1, c2, s1, s2, half,
                   HK_PAD, HALF_PAD)
 
 
-def check_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
-    """`apply_rotary`'s argument checks (metadata only; also `kv_cache.rotary_store_kv_cache`'s)."""
-    num_tokens, _, head_dim = q.shape
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place for positions [T]; returns (q, k)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"k must be [{num_tokens}, Hkv, {head_dim}], got {tuple(k.shape)}")
     if head_dim % 2:
@@ -97,13 +85,6 @@ def check_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     for name, t in (("q", q), ("k", k)):
         check_float(name, t)
         check_last_dim_contiguous(name, t)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place for positions [T]; returns (q, k)."""
-    check_rotary(q, k, positions, cos, sin)
-    num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
     half = head_dim // 2

@@ -147,12 +147,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.backend.fuses_rotary:  # RoPE in the backend's KV-store launch
-            out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales,
-                                       rope=rope)  # [T, Hq, D]
-        else:
-            q, k = self.ops.apply_rotary(q, k, rope)
-            out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)
+        q, k = self.ops.apply_rotary(q, k, rope)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.kv_scales)  # [T, Hq, D]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         if lora is None:
             projected = self.o_proj(out)  # [T, hidden]

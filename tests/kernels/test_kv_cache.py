@@ -1,15 +1,12 @@
-"""store_kv_cache: written slots hold k/v cast to the cache dtype, every other slot is untouched;
-rotary_store_kv_cache: the same as RoPE and then the store."""
+"""store_kv_cache: written slots hold k/v cast to the cache dtype, every other slot is untouched."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inflight.kernels.kv_cache import rotary_store_kv_cache, store_kv_cache
+from inflight.kernels.kv_cache import store_kv_cache
 from inflight.kernels.reference import store_kv_cache_ref
-from inflight.kernels.rotary import apply_rotary
-from inflight.model.rotary import RotaryEmbedding
 from tests.kernels.helpers import randn
 
 
@@ -54,33 +51,3 @@ def test_rejects_mismatched_cache(gen):
     cache = randn((2, 2, 16, 4, 16), torch.float32, gen)
     with pytest.raises(ValueError):
         store_kv_cache(k, k, cache, torch.zeros(2, dtype=torch.int64, device=gen.device))
-
-
-@pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.float8_e4m3fn)])
-def test_rotary_store_is_rotary_then_store(gen, dtype, cache_dtype):
-    """The fused launch leaves q, k and the cache bit for bit as apply_rotary then store_kv_cache:
-    q/k/v views of one fused projection, GQA heads (6 q on 2 kv; padded head axes), a padded row."""
-    num_blocks, block_size, hq, hkv, d = 4, 16, 6, 2, 32
-    device = gen.device
-    rope = RotaryEmbedding(d, 256, 10000.0, None)
-    rope.reset_cache(device)
-    slots = torch.tensor([5, 17, -1, 63, 40], dtype=torch.int64, device=device)
-    positions = torch.tensor([3, 200, 0, 255, 17], dtype=torch.int32, device=device)
-    qkv = randn((len(slots), (hq + 2 * hkv) * d), dtype, gen)
-    cache = randn((2, num_blocks, block_size, hkv, d), torch.float32, gen).to(cache_dtype)
-    kv_scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
-
-    def split(t):
-        return (t[:, :hq * d].view(-1, hq, d), t[:, hq * d:(hq + hkv) * d].view(-1, hkv, d),
-                t[:, (hq + hkv) * d:].view(-1, hkv, d))
-
-    want_qkv, want_cache = qkv.clone(), cache.clone()
-    q, k, v = split(want_qkv)
-    apply_rotary(q, k, positions, rope.cos_cache, rope.sin_cache)
-    store_kv_cache(k, v, want_cache, slots, *kv_scales)
-    q, k, v = split(qkv)
-    rotary_store_kv_cache(q, k, v, positions, rope.cos_cache, rope.sin_cache, cache, slots, *kv_scales)
-    assert torch.equal(qkv, want_qkv)
-    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))

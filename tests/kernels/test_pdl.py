@@ -14,9 +14,10 @@ import torch
 from inflight.kernels import _common
 from inflight.kernels.activation import silu_and_mul
 from inflight.kernels.gemv import SkinnyWorkspace, skinny_linear
-from inflight.kernels.kv_cache import rotary_store_kv_cache
+from inflight.kernels.kv_cache import store_kv_cache
 from inflight.kernels.norm import fused_add_rms_norm
 from inflight.kernels.paged_attention import DecodeWorkspace, paged_decode_attention
+from inflight.kernels.rotary import apply_rotary
 from tests.kernels.helpers import ON_CUDA, randn
 
 HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
@@ -28,7 +29,7 @@ def test_off_on_the_cpu():
 
 class Layer:
     """A Llama-shaped decode layer at batch 1 (hidden 2048, 32 q / 8 kv heads of 64, MLP 8192)
-    over a paged cache holding 300 earlier tokens: add+norm, q/k/v GEMV, RoPE with the KV store,
+    over a paged cache holding 300 earlier tokens: add+norm, q/k/v GEMV, RoPE, KV store,
     split-K decode attention and its reduce, o GEMV, add+norm, gate/up GEMV, SiLU, down GEMV."""
 
     HIDDEN, HEADS, KV_HEADS, DIM, INTER, BLOCK, CONTEXT = 2048, 32, 8, 64, 8192, 16, 300
@@ -46,8 +47,7 @@ class Layer:
         self.block_tables = torch.arange(num_blocks, dtype=torch.int32, device="cuda")[None]
         self.seq_lens = torch.tensor([self.CONTEXT + 1], dtype=torch.int32, device="cuda")
         self.slots = torch.tensor([self.CONTEXT], dtype=torch.int64, device="cuda")
-        positions = torch.arange(self.CONTEXT + 1, device="cuda")
-        angles = positions[:, None] * 0.01 * torch.arange(d, device="cuda")
+        angles = torch.arange(self.CONTEXT + 1, device="cuda")[:, None] * 0.01 * torch.arange(d, device="cuda")
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
         self.attn_ws = DecodeWorkspace.allocate(4, self.HEADS, d, "cuda")
         self.gemv_ws = SkinnyWorkspace.allocate(1, 2 * self.INTER, "cuda")
@@ -61,7 +61,8 @@ class Layer:
         q, k, v = skinny_linear(normed, self.w_qkv, workspace=self.gemv_ws).split(self.sizes, dim=-1)
         q = q.view(1, self.HEADS, self.DIM)
         k, v = k.view(1, self.KV_HEADS, self.DIM), v.view(1, self.KV_HEADS, self.DIM)
-        rotary_store_kv_cache(q, k, v, self.slots, self.cos, self.sin, self.cache, self.slots)
+        q, k = apply_rotary(q, k, self.slots, self.cos, self.sin)
+        store_kv_cache(k, v, self.cache, self.slots)
         attn = paged_decode_attention(q, self.cache, self.block_tables, self.seq_lens, self.DIM ** -0.5,
                                       num_partitions=4, workspace=self.attn_ws)
         h = skinny_linear(attn.reshape(1, -1), self.w_o, workspace=self.gemv_ws)

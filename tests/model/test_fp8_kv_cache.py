@@ -75,13 +75,7 @@ def fake_quantize_writes(patch, backend: str) -> None:
 
         def rounded(k, v, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
             store(*_round_through_e4m3(k, v, (k_scale, v_scale)), kv_cache, slot_mapping)
-
-        def rotated_and_rounded(q, k, v, positions, cos, sin, kv_cache, slot_mapping, k_scale=1.0,
-                                v_scale=1.0):  # the backend's RoPE + store launch, unfused
-            kernels.apply_rotary(q, k, positions, cos, sin)
-            rounded(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         patch.setattr(kernels, "store_kv_cache", rounded)
-        patch.setattr(kernels, "rotary_store_kv_cache", rotated_and_rounded)
 
 
 @pytest.fixture

@@ -7,10 +7,6 @@ Life of a step with backend `b`:
     meta = b.build_metadata(step)                                # once per step, backend-private
     out = b.forward(q, k, v, kv_cache, meta, scale, kv_scales)   # every layer
 
-A backend with `fuses_rotary` takes q and k before RoPE and the step's rope context
-(`ops.rope_context`) as `forward(..., rope=...)`, and rotates them itself (the Triton backend
-does it in its KV-store launch); with any other, the caller applies `ops.apply_rotary` first.
-
 Under CUDA graphs (decode steps; mixed steps below) the graph runner instead, once at start-up,
     b.init_graph_buffers(max_batch_size, max_blocks_per_seq, device)
     meta = b.graph_metadata(buffers)            # over one bucket's static `DecodeBuffers`
@@ -95,8 +91,6 @@ class AttentionBackend(abc.ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether mixed steps can be captured too (`mixed_graph_metadata`).
     supports_mixed_graphs: ClassVar[bool] = False
-    # Whether `forward` takes q and k before RoPE, with `rope=` (module docstring).
-    fuses_rotary: ClassVar[bool] = False
 
     def reserve(self, limits: AttentionLimits) -> None:
         """Called once before the first step: allocate what every step reuses. Default: nothing.

@@ -62,7 +62,6 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_mixed_graphs = True
-    fuses_rotary = True
 
     def __init__(self) -> None:
         self.limits: AttentionLimits | None = None
@@ -111,16 +110,9 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float,
-                kv_scales: tuple[float, float] = (1.0, 1.0), rope: tuple | None = None) -> torch.Tensor:
-        """`rope`: (positions, cos, sin) of `TritonOps.rope_context`; q and k are then rotated
-        in place by the KV store's launch (`kernels.rotary_store_kv_cache`)."""
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         k_scale, v_scale = kv_scales  # used by an FP8 cache only
-        if rope is None:
-            kernels.store_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
-        else:
-            positions, cos, sin = rope
-            kernels.rotary_store_kv_cache(q, k, v, positions, cos, sin, kv_cache, metadata.slot_mapping,
-                                          k_scale, v_scale)
+        kernels.store_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.fixed_grid:
             return kernels.paged_mixed_attention(q, kv_cache, metadata.block_tables,
                                                  metadata.query_start_loc, metadata.seq_lens, scale,

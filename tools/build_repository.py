@@ -157,8 +157,8 @@ DEFAULTS = {
     # Ours: which model of the ensemble tokenizes. preprocessing: NVIDIA's three steps.
     # tensorrt_llm: the ensemble sends it the text (two steps). Measured on an H100 host
     # (docs/performance.md, 2026-11-28): a first token 0.9 ms sooner at concurrency 1, but at
-    # 256 streams its time to first token +34 ms and 5 % fewer tokens/s, the tokenizing
-    # waiting for the interpreter lock that the model's response thread holds. Either way the
+    # 256 streams tensorrt_llm's execute 7x slower (the tokenizing beside its busy response
+    # thread), in one run +34 ms to the first token and 5 % fewer tokens/s. Either way the
     # ensemble's tensors, and every model called alone, are NVIDIA's.
     "tokenize_in": "preprocessing",
 }

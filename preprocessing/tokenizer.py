@@ -137,7 +137,7 @@ class TextTokenizer:
             word = decode_query(word)
         if not word:
             return []
-        return [int(i) for i in self.tokenizer.encode(word, add_special_tokens=False)]
+        return control_tokens.encode_ids(self.tokenizer, word, add_special_tokens=False)
 
     def word_list(self, rows: list[list[str]], name: str = "stop_words") -> np.ndarray:
         """Words per batch row → int32 `[batch, 2, N]` in NVIDIA's stop/bad-words format.

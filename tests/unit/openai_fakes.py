@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tritonclient.grpc import service_pb2
+
 from openai_frontend.sampling import Limits
 from openai_frontend.triton_client import EngineChunk, EngineRequest, classify
 
@@ -71,3 +73,11 @@ class FakeTriton:
                                   prompt, prompt_top)
         finally:
             self.num_closed += 1
+
+
+def stream_response(outputs) -> service_pb2.ModelInferResponse:
+    """A streamed response of the ensemble: (name, datatype, shape, raw bytes) per output."""
+    return service_pb2.ModelInferResponse(
+        outputs=[service_pb2.ModelInferResponse.InferOutputTensor(name=n, datatype=d, shape=s)
+                 for n, d, s, _ in outputs],
+        raw_output_contents=[raw for *_, raw in outputs])

@@ -49,7 +49,7 @@ import numpy as np
 import serving_load
 from bench_serving import DEFAULT_MODEL
 
-from ensemble.io_contract import PREPROCESSING_TO_ENGINE
+from ensemble.wiring import PREPROCESSING_TO_ENGINE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,8 +22,8 @@ import numpy as np
 from bls import speculative
 from bls.stop_strings import StopStrings
 from ensemble.errors import InputError
-from ensemble.io_contract import (ENGINE_PASS_THROUGH, ENGINE_TO_POSTPROCESSING,
-                                  PREPROCESSING_TO_ENGINE, text_input_route)
+from ensemble.io_contract import ENGINE_PASS_THROUGH
+from ensemble.wiring import ENGINE_TO_POSTPROCESSING, PREPROCESSING_TO_ENGINE, text_input_route
 
 Tensors = dict[str, np.ndarray]
 ENGINE_OUTPUTS = list(ENGINE_TO_POSTPROCESSING) + list(ENGINE_PASS_THROUGH)

@@ -17,8 +17,8 @@ import numpy as np
 
 from ensemble import params
 from ensemble.errors import InputError
-from ensemble.io_contract import DIRECT_TEXT_INPUTS, PREPROCESSING_TO_ENGINE
 from ensemble.limits import DEFAULT_MAX_NUM_WORDS, PromptLimits, model_context_length
+from ensemble.wiring import DIRECT_TEXT_INPUTS, PREPROCESSING_TO_ENGINE
 from preprocessing import step_outputs
 from preprocessing.tokenizer import TextTokenizer, decode_query
 
@@ -153,7 +153,7 @@ def _words(find: Find, tokenizer: TextTokenizer, name: str, batch: int) -> np.nd
 
 class DirectText:
     """The `tensorrt_llm` model's side of the direct path: a request that carries the
-    ensemble's text inputs (under the names of `io_contract.DIRECT_TEXT_INPUTS`) is preprocessed
+    ensemble's text inputs (under the names of `wiring.DIRECT_TEXT_INPUTS`) is preprocessed
     here, and its inputs become the ones the preprocessing step would have handed over, under
     the engine model's names (`PREPROCESSING_TO_ENGINE`), exactly as the ensemble maps them."""
 

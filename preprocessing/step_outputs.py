@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ensemble.io_contract import PREPROCESSING_TO_ENGINE
+from ensemble.wiring import PREPROCESSING_TO_ENGINE
 
 # What the ensemble's preprocessing step and the BLS model request.
 PIPELINE_OUTPUTS = frozenset(PREPROCESSING_TO_ENGINE)

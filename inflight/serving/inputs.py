@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ensemble.io_contract import TEXT_INPUT_ROUTES
+from ensemble.wiring import TEXT_INPUT_ROUTES
 from inflight.api.types import (
     ExternalDraftTokensConfig,
     GuidedDecodingParams,

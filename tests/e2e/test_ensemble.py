@@ -175,7 +175,7 @@ def test_a_plain_request_ends_without_the_outputs_it_does_not_need(server):
     with the same text, and leaves nothing in the engine. A direct call gets every output."""
     import tritonclient.http as httpclient
 
-    from ensemble.io_contract import PREPROCESSING_TO_ENGINE
+    from ensemble.wiring import PREPROCESSING_TO_ENGINE
 
     client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
     try:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ensemble.errors import InputError
-from ensemble.io_contract import DIRECT_TEXT_INPUTS, PREPROCESSING_TO_ENGINE
+from ensemble.wiring import DIRECT_TEXT_INPUTS, PREPROCESSING_TO_ENGINE
 from preprocessing import step_outputs
 from preprocessing.prompts import DirectText, preprocess, tokenizer_from_params
 

@@ -27,7 +27,8 @@ TORCH_FREE = [
     "inflight.serving.inputs", "inflight.serving.params", "bls.pipeline", "bls.stop_strings",
     "inflight.hosts.backend", "inflight.serving.wire", "inflight.serving.request_table", "inflight.serving.poll_turns",
     "inflight.serving.delivery", "inflight.serving.engine_client", "inflight.serving.metrics",
-    "ensemble.supervisor", "openai_frontend.workers", "postprocessing.acks", "ensemble.io_contract", "ensemble.params", "ensemble.word_list",
+    "ensemble.supervisor", "openai_frontend.workers", "postprocessing.acks", "ensemble.io_contract", "ensemble.wiring", "ensemble.params",
+    "ensemble.word_list",
     "ensemble.errors", "preprocessing", "preprocessing.step_outputs", "postprocessing",
 ]
 HEAVY = ["torch", "transformers", "tokenizers", "safetensors", "tritonclient"]

@@ -7,7 +7,8 @@ import re
 
 import numpy as np
 
-from ensemble.io_contract import PREPROCESSING, PREPROCESSING_TO_ENGINE, TENSORRT_LLM
+from ensemble.io_contract import PREPROCESSING, TENSORRT_LLM
+from ensemble.wiring import PREPROCESSING_TO_ENGINE
 from inflight.serving.convert import request_rows
 from preprocessing import step_outputs
 from tests.conftest import REPO_ROOT

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ensemble.io_contract import (DIRECT_TEXT_INPUTS, ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BLS,
-                                  text_input_route)
+from ensemble.io_contract import ENSEMBLE, MODELS, TENSORRT_LLM, TENSORRT_LLM_BLS
+from ensemble.wiring import DIRECT_TEXT_INPUTS, text_input_route
 from tools import render_templates
 
 

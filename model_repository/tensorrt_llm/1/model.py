@@ -6,7 +6,7 @@ tensorrtllm) and `engine_process` (true: the engine runs in a process of its own
 stub's interpreter lock; false: in a thread here, as the tensorrtllm backend always does).
 
 `execute` converts and hands each request to `inflight.serving.request_table`, then returns. A
-request carrying the ensemble's text (its direct path, `io_contract.DIRECT_TEXT_INPUTS`) is
+request carrying the ensemble's text (its direct path, `wiring.DIRECT_TEXT_INPUTS`) is
 first preprocessed here with `tokenizer_dir`'s tokenizer (`preprocessing.prompts.DirectText`).
 Threads: a responder makes every send (the engine's responses, and what the others post to
 it: `execute`'s error and stop answers, drain ticks), a poller cancels requests whose client

@@ -29,11 +29,10 @@ row segments (16-byte vector loads, whole 128-byte lines). Rows past N are clamp
 With programmatic dependent launch (`_common.pdl_options`, sm_90) the fma path reads its split's
 first weight tile before `pdl_wait`, while the kernel that writes x (a norm, the activation,
 attention's reduce) still runs: 1B q/k/v 0.87x -> 1.05x of cuBLAS, 8B o 1.10x -> 1.16x (H100).
-Split-K (too few row tiles to fill the SMs): each program writes an fp32 partial; the last
-program of an output tile to arrive (an acq_rel counter) sums the partials in split order, writes
-out and zeroes the counter: int4.py's epilogue `_finish`. One launch, no memset, no host sync,
-and a result independent of the arrival order (bitwise reproducible run to run): capturable in
-a CUDA graph. One workspace's counters must not serve two launches at once (one per stream).
+Split-K (too few row tiles to fill the SMs) ends in `split_k._finish`, the epilogue shared with
+int4.py: the last program of an output tile to arrive sums the fp32 partials in split order. One
+launch, no memset, no host sync, bitwise reproducible: capturable in a CUDA graph. One
+workspace's counters must not serve two launches at once (one per stream).
 `choose_config` is the fixed heuristic; `bench/bench_gemv.py` times it against cuBLAS.
 """
 
@@ -55,7 +54,7 @@ from inflight.kernels._common import (
     tl,
     triton,
 )
-from inflight.kernels.int4 import _finish, num_sms
+from inflight.kernels.split_k import DEFAULT_NUM_SMS, _finish, num_sms
 
 MAX_M = 16
 FMA_MAX_M = 2  # rows the heuristic serves on CUDA cores; above, tl.dot (16 rows padded, tensor cores)
@@ -69,7 +68,6 @@ COUNTER_SLOTS = 1024  # output tiles a split-K launch may have (split-K is for f
 # 20 KiB in flight each.
 WARPS_PER_SM = {"fma": 16, "dot": 12}
 SPLIT_FIXED_BYTES = 1 << 20  # a split's fixed cost (arrival atomic, partials' L2 round trip) in bytes
-DEFAULT_NUM_SMS = 132  # H100 SXM (off CUDA: the interpreter picks what an H100 would)
 
 
 class SkinnyConfig(NamedTuple):

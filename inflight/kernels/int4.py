@@ -55,9 +55,10 @@ Split-K (few output tiles): SPLIT_K programs per output tile each write an fp32 
 [SPLIT_K, M, N] workspace, then (after a CTA barrier) one thread counts the arrival on the tile's
 counter with a gpu-scope acq_rel atomic; the last program to arrive reads the partials (L1
 bypassed), sums them in split order (deterministic whatever the arrival order), adds the bias,
-writes the output and resets the counter. One launch, no memset, no host sync: capturable in a
-CUDA graph (the workspace's size depends on M and the config only). The counters belong to the
-weight, so one weight must not be multiplied on two streams at once.
+writes the output and resets the counter (`split_k._finish`, shared with the GEMV). One launch,
+no memset, no host sync: capturable in a CUDA graph (the workspace's size depends on M and the
+config only). The counters belong to the weight, so one weight must not be multiplied on two
+streams at once.
 
 `dequantize_int4(weight, out)` writes the whole weight in the activation dtype, for dequantize +
 cuBLAS at large M (`use_dequantize(m)` is the heuristic's threshold).
@@ -67,7 +68,6 @@ The configurations and the heuristic live in `inflight.kernels.int4_config` (re-
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +76,6 @@ from inflight.intmath import cdiv
 from inflight.kernels._common import check_float, check_last_dim_contiguous, dot_precision, tl, triton
 from inflight.kernels.int4_config import (  # noqa: F401 (re-exported: the heuristic's names)
     COUNTER_SLOTS,
-    DEFAULT_NUM_SMS,
     DEQUANT_MIN_M,
     MAGIC,
     PACK,
@@ -87,6 +86,7 @@ from inflight.kernels.int4_config import (  # noqa: F401 (re-exported: the heuri
     fit_block_k,
     use_dequantize,
 )
+from inflight.kernels.split_k import _finish, num_sms
 
 
 @dataclass(frozen=True)
@@ -177,35 +177,6 @@ def _group_params(scale_ptr, zp_ptr, word, offs_n, N, GROUP: tl.constexpr, mask,
         else:
             zero = tl.load(zp_ptr + g * N + offs_n).to(tl.float32) + 8.0
     return s, zero
-
-
-@triton.jit
-def _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _finish(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, partial_ptr, count_ptr, tile,
-            SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] (+ bias) to out; with split-K: write the partial, count the
-    arrival, and let the tile's last program reduce the partials in split order."""
-    if SPLIT:
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        part = partial_ptr + offs_m[:, None] * N + offs_n[None, :]  # partials [SPLIT_K, M, N]
-        tl.store(part + tl.program_id(1) * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the one-thread release
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            for split in range(1, tl.num_programs(1)):
-                total += tl.load(part + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_out(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, HAS_BIAS)
-            tl.atomic_xchg(count_ptr + tile, 0)  # zero again for the next launch
-    else:
-        _store_out(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -407,19 +378,6 @@ def _dequantize_kernel(w_ptr, scale_ptr, zp_ptr, out_ptr, N, K, stride_on, strid
 
 
 # --- host wrappers -------------------------------------------------------------------------------
-
-
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """SMs of `device`; DEFAULT_NUM_SMS off CUDA (the interpreter), so the CPU tests pick what
-    an H100 would."""
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def int4_matmul(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,

@@ -12,6 +12,7 @@ import torch
 
 from inflight.intmath import cdiv
 from inflight.kernels._common import next_pow2
+from inflight.kernels.split_k import DEFAULT_NUM_SMS
 
 PACK = 8  # 4-bit values per int32 word
 MAGIC = 0x4B000000  # fp32 bits of 2^23, passed at run time (one LOP3 with the mask; see above)
@@ -65,7 +66,6 @@ HBM_BYTES_PER_FLOP = 1 / 200  # ~3 TB/s over ~600 TFLOP/s (bf16 tensor cores as 
 # From this many rows dequantize_int4 + cuBLAS wins (H100, 2026-11-27: at 256 rows it beat the
 # dot kernel on every 8B and 1B shape, e.g. gate_up 214 against 285 us; at 64 they were even).
 DEQUANT_MIN_M = 128
-DEFAULT_NUM_SMS = 132  # H100 SXM; used off CUDA (the interpreter)
 
 
 def fit_block_k(block_k: int, group_size: int, k: int, path: str) -> int:
